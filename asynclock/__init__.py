@@ -1,0 +1,53 @@
+"""asynclock: distributed leases on Redis for asyncio, whose work stops before the lease can.
+
+::
+
+    async with asynclock.lease(redis, "import-products", ttl=30) as lock:
+        ...  # cancelled, and LockLost raised, before another holder could get the lock
+
+See ``lease`` for the arguments and ``Lease`` for what the holder sees.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from ._events import EventHook as EventHook
+from ._events import LeaseEvent as LeaseEvent
+from ._events import LeaseEventKind as LeaseEventKind
+from ._exceptions import AcquireTimeout as AcquireTimeout
+from ._exceptions import LockBusy as LockBusy
+from ._exceptions import LockError as LockError
+from ._exceptions import LockLost as LockLost
+from ._exceptions import LossReason as LossReason
+from ._lease import Lease as Lease
+from ._lease import LeaseContext as LeaseContext
+from ._lease import LeaseState as LeaseState
+from ._lease import lease as lease
+
+try:
+    __version__ = _version("asynclock")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "AcquireTimeout",
+    "EventHook",
+    "Lease",
+    "LeaseContext",
+    "LeaseEvent",
+    "LeaseEventKind",
+    "LeaseState",
+    "LockBusy",
+    "LockError",
+    "LockLost",
+    "LossReason",
+    "lease",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("asynclock._"):
+        _obj.__module__ = "asynclock"
+del _name, _obj

@@ -1,0 +1,113 @@
+"""The connections asynclock keeps beside a user's Redis client.
+
+Design note. Acquire and release travel on the caller's own client (one round trip each,
+on the hot path). Renewals must not queue behind the application's traffic, so they go
+over a dedicated pool built from the same *connection settings* (never from the pool's
+internal objects), with redis-py's retries turned off: the watchdog retries by itself,
+against its deadline. Release falls back to that pool when the caller's pool fails (an
+exhausted pool raises at once in redis-py 8).
+
+One :class:`Companion` exists per user client and event loop. It is in use while any lease
+or waiter of that client is alive; when the last one leaves, its connections are closed,
+so nothing is left open when the application closes its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import ConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from ._wakeup import WaitingRoom
+
+__all__ = ["Companion", "companion_for", "connection_settings"]
+
+# Entries of ``ConnectionPool.connection_kwargs`` that are pool machinery, not settings.
+_NOT_SETTINGS = frozenset(
+    {
+        "retry",
+        "retry_on_error",
+        "retry_on_timeout",
+        "redis_connect_func",
+        "himport_registry",
+        "maint_notifications_pool_handler",
+        "maint_notifications_config",
+        "event_dispatcher",
+        "connection_pool",
+    }
+)
+
+
+def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
+    """The connection class and the plain connection settings of ``client``'s pool."""
+    pool = client.connection_pool
+    settings = {
+        key: value
+        for key, value in pool.connection_kwargs.items()
+        if key not in _NOT_SETTINGS and not key.startswith("orig_")
+    }
+    return pool.connection_class, settings
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+class Companion:
+    """Per-client, per-loop state: the renewal pool and the waiting room."""
+
+    def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
+        self.loop = loop
+        self.connection_class, self.settings = connection_settings(client)
+        self.room = WaitingRoom(self.connection_class, self.settings)
+        self._renewer: Redis | None = None
+        self._users = 0
+
+    @property
+    def in_use(self) -> bool:
+        return self._users > 0
+
+    def retain(self) -> None:
+        """Count one more lease or waiter using this companion."""
+        self._users += 1
+
+    def unretain(self) -> bool:
+        """Count one less; True when nothing uses it any more and it should be closed."""
+        self._users -= 1
+        return self._users == 0 and (self._renewer is not None or self.room.open)
+
+    def renewer(self) -> Redis:
+        """The dedicated client for renewals (created on first use, retries off)."""
+        if self._renewer is None:
+            pool = ConnectionPool(
+                connection_class=self.connection_class, **self.settings, retry=_no_retry()
+            )
+            self._renewer = Redis.from_pool(pool)
+        return self._renewer
+
+    async def aclose_if_idle(self) -> None:
+        """Close the dedicated connections unless a lease or waiter came back meanwhile."""
+        if self._users:
+            return
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            await renewer.aclose()
+        await self.room.aclose()
+
+
+_companions: weakref.WeakKeyDictionary[Redis, Companion] = weakref.WeakKeyDictionary()
+
+
+def companion_for(client: Redis) -> Companion:
+    """The companion of ``client`` in the running loop (made on first use)."""
+    loop = asyncio.get_running_loop()
+    companion = _companions.get(client)
+    if companion is None or companion.loop is not loop:
+        companion = _companions[client] = Companion(client, loop)
+    return companion

@@ -1,0 +1,95 @@
+"""The exception tree of asynclock.
+
+Every error asynclock raises on purpose derives from :class:`LockError`, split by cause::
+
+    LockError
+    ├── LockLost            the lease was taken away while held (see ``reason``)
+    ├── LockBusy            blocking=False and another holder has the lock
+    └── AcquireTimeout      blocking_timeout ran out (also a builtin ``TimeoutError``)
+
+Misuse of the API (bad arguments) raises the builtin ``TypeError`` / ``ValueError`` before
+any I/O. Errors from Redis itself (``redis.exceptions.RedisError``) pass through unchanged
+where they are the whole story, and are chained as ``__cause__`` where asynclock turns them
+into one of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["AcquireTimeout", "LockBusy", "LockError", "LockLost", "LossReason"]
+
+
+class LossReason(enum.StrEnum):
+    """Why a lease was lost."""
+
+    NOT_OWNER = "not_owner"
+    """Redis answered that the key no longer holds this lease's token (deleted, expired,
+    overwritten, flushed)."""
+
+    DEADLINE = "deadline"
+    """No renewal was confirmed before the lease's safe deadline; Redis may still hold the
+    key, but this process can no longer prove it owns it."""
+
+    WATCHDOG_FAILED = "watchdog_failed"
+    """The renewal task died of an unexpected error; treated as a loss, never as silence."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LockError(Exception):
+    """Base class of every error asynclock raises on purpose."""
+
+
+class LockLost(LockError):
+    """The lease was lost while the ``async with`` block held it.
+
+    Raised out of the ``async with`` after the body (and every task it started under the
+    block) has been cancelled. ``reason`` says why; the underlying error, if any, is chained
+    as ``__cause__``.
+    """
+
+    def __init__(self, name: str, reason: LossReason, detail: str = "") -> None:
+        self.name = name
+        self.reason = reason
+        self.detail = detail
+        message = f"lease {name!r} lost: {reason.value}"
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.reason, self.detail))
+
+
+class LockBusy(LockError):
+    """A non-blocking acquire found the lock held by someone else."""
+
+    def __init__(self, name: str, pttl: float | None = None) -> None:
+        self.name = name
+        self.retry_after = pttl
+        """Seconds until the current holder's key expires unless renewed, if known."""
+        message = f"lock {name!r} is held by another owner"
+        if pttl is not None:
+            message += f" (its key expires in {pttl:.3f}s unless renewed)"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.retry_after))
+
+
+class AcquireTimeout(LockError, TimeoutError):
+    """A blocking acquire did not get the lock within ``blocking_timeout`` seconds."""
+
+    def __init__(self, name: str, timeout: float, detail: str = "") -> None:
+        self.name = name
+        self.timeout = timeout
+        self.detail = detail
+        message = f"could not acquire lock {name!r} within {timeout:g}s"
+        if detail:
+            message += f": {detail}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.timeout, self.detail))

@@ -1,0 +1,633 @@
+"""The lease: acquiring, holding (with its watchdog and deadline) and releasing one lock.
+
+Design note. ``async with lease(...)`` acquires with one script (see ``_scripts``), then
+enters a cancel scope around the body and starts the watchdog as a task of its own: the
+body is not run inside an internal task group, so the user never sees an
+``ExceptionGroup`` for a single failure, and the watchdog never raises (its failures
+become ``LOST``). When the lease is lost the scope is cancelled, which cancels the body
+and every task it started in task groups under it; ``__aexit__`` then raises ``LockLost``
+unless the body raised an exception of its own, which propagates with a note.
+
+Cancellation at any point of an acquire leaves no key behind: if the attempt may have
+landed, an owner-checked delete that also leaves a tombstone for that attempt's token
+runs (shielded, bounded) before the cancellation propagates. The tombstone makes the
+cleanup safe even if it overtakes the attempt on the way to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+import secrets
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Final, final
+
+import anyio
+import anyio.lowlevel
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._connections import Companion, companion_for
+from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
+from ._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
+from ._options import LeaseOptions, drift_for
+from ._scripts import ABANDON, ACQUIRE, RELEASE, RENEW, Arg, Script
+from ._shield import cancel_dropped, finish
+from ._watchdog import watch
+
+__all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
+
+log = logging.getLogger("asynclock")
+
+_DAY_MS: Final = 86_400_000
+_CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
+# Errors after which a command's outcome is unknown (it may or may not have run).
+_UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+
+
+class LeaseState(enum.StrEnum):
+    """Where a lease stands. ``LOST`` and ``RELEASED`` are terminal."""
+
+    HELD = "held"
+    """Held, and the last renewal was confirmed."""
+    SUSPECT = "suspect"
+    """A renewal is failing but the safe deadline has not passed; still held."""
+    LOST = "lost"
+    """Lost (see ``Lease.lost_reason``): the block was cancelled."""
+    RELEASED = "released"
+    """The block exited and the lease was given back."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTIVE = (LeaseState.HELD, LeaseState.SUSPECT)
+
+
+@final
+class Lease:
+    """One acquisition of one lock, yielded by ``async with lease(...)``.
+
+    Sync attributes are local and free; methods that may touch Redis are ``async``.
+    Times are seconds; ``safe_until`` is an event-loop (monotonic) time.
+    """
+
+    __slots__ = (
+        "_closing",
+        "_companion",
+        "_hook",
+        "_last_send",
+        "_loop",
+        "_lost_cause",
+        "_lost_reason",
+        "_options",
+        "_safe_until",
+        "_scope",
+        "_state",
+        "_timer",
+        "_value",
+        "_watchdog",
+        "fencing_token",
+        "token",
+    )
+
+    def __init__(
+        self,
+        options: LeaseOptions,
+        companion: Companion,
+        token: str,
+        fencing_token: int,
+        t_send: float,
+        hook: EventHook | None,
+    ) -> None:
+        self._options = options
+        self._companion = companion
+        self._loop = companion.loop
+        self._hook = hook
+        self.token: Final = token
+        """The random token (128 bits, hex) identifying this lease in Redis."""
+        self.fencing_token: Final = fencing_token
+        """Strictly greater than every fencing token issued before for this name."""
+        self._value = f"{token}:{fencing_token}"
+        self._last_send = t_send
+        self._safe_until = t_send + options.ttl - drift_for(options.ttl)
+        self._state = LeaseState.HELD
+        self._lost_reason: LossReason | None = None
+        self._lost_cause: BaseException | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- what the holder sees -----------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The lock's name as given to :func:`lease`."""
+        return self._options.name
+
+    @property
+    def key(self) -> str:
+        """The Redis key holding the lease."""
+        return self._options.key
+
+    @property
+    def ttl(self) -> float:
+        """The lease's time to live in Redis, seconds; renewed every ttl/3."""
+        return self._options.ttl
+
+    @property
+    def state(self) -> LeaseState:
+        return self._state
+
+    @property
+    def lost_reason(self) -> LossReason | None:
+        """Why the lease was lost, or None while it is not ``LOST``."""
+        return self._lost_reason
+
+    @property
+    def safe_until(self) -> float:
+        """Loop time (seconds) until which this process may believe it holds the lease."""
+        return self._safe_until
+
+    @property
+    def time_left(self) -> float:
+        """Seconds left before the safe deadline; 0.0 once lost, released or past it."""
+        if self._state not in _ACTIVE:
+            return 0.0
+        return max(0.0, self._safe_until - self._loop.time())
+
+    async def is_held(self, verify: bool = False) -> bool:
+        """Whether the lease is still held. Always a checkpoint (cancellation lands here).
+
+        With ``verify=False`` the answer is local and free: False once the lease is lost,
+        released, or past its safe deadline. With ``verify=True`` the token is also read
+        back from Redis; finding another value there marks the lease ``LOST``
+        (``not_owner``), which cancels the block.
+
+        Raises:
+            redis.exceptions.RedisError, TimeoutError: ``verify=True`` and Redis could
+                not be asked before the safe deadline.
+        """
+        await anyio.lowlevel.checkpoint()
+        if not self._held_locally():
+            return False
+        if not verify:
+            return True
+        before = _cancelling()
+        async with asyncio.timeout(self.time_left):
+            value = await self._companion.client.get(self.key)
+        if cancel_dropped(before):
+            raise asyncio.CancelledError
+        if _text(value) != self._value:
+            self._lose(LossReason.NOT_OWNER)
+            return False
+        return self._held_locally()
+
+    async def extend(self) -> None:
+        """Renew the lease now (the watchdog keeps renewing as well).
+
+        Raises:
+            LockLost: the lease is lost, or Redis answered that the key is no longer ours.
+            redis.exceptions.RedisError, TimeoutError: the renewal could not be confirmed
+                before the safe deadline; the lease is unchanged and the watchdog goes on.
+        """
+        if not self._held_locally():
+            raise self._loss_error()
+        before = _cancelling()
+        renewed = await self._renew_once(self.time_left)
+        if cancel_dropped(before):
+            raise asyncio.CancelledError
+        if not renewed:
+            raise self._loss_error()
+
+    def __repr__(self) -> str:
+        left = f" {self.time_left:.1f}s left" if self._state in _ACTIVE else ""
+        lost = f" ({self._lost_reason})" if self._lost_reason else ""
+        return f"<Lease {self.name!r} {self._state.name}{lost} fence={self.fencing_token}{left}>"
+
+    # -- machinery (used by the context manager and the watchdog) ----------------------
+
+    @property
+    def _active(self) -> bool:
+        return self._state in _ACTIVE and not self._closing
+
+    def _held_locally(self) -> bool:
+        return self._state in _ACTIVE and self._loop.time() < self._safe_until
+
+    def _loss_error(self) -> LockLost:
+        reason = self._lost_reason or LossReason.DEADLINE
+        return LockLost(self.name, reason)
+
+    def _event(self, kind: LeaseEventKind, detail: str = "") -> None:
+        if self._hook is not None:
+            event = LeaseEvent(
+                kind, self.name, self.fencing_token, self._loop.time(), self._safe_until, detail
+            )
+            emit(self._hook, event)
+
+    def _start(self, scope: anyio.CancelScope) -> None:
+        """Arm the deadline timer and start the watchdog (no await: nothing can interleave)."""
+        self._scope = scope
+        self._arm()
+        self._watchdog = self._loop.create_task(watch(self), name=f"asynclock-watchdog {self.name}")
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(self._safe_until, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self._state in _ACTIVE and self._loop.time() >= self._safe_until:
+            self._lose(LossReason.DEADLINE, self._lost_cause)
+
+    async def _renew_once(self, limit: float) -> bool:
+        """One renewal attempt of at most ``limit`` seconds.
+
+        Returns True if renewed, False if the lease is (now) lost. Raises the Redis or
+        timeout error when the outcome is unknown.
+        """
+        client = self._companion.renewer()
+        t_send = self._loop.time()
+        async with asyncio.timeout(limit):
+            reply = await RENEW(client, [self.key], [self._value, self._options.ttl_ms])
+        if reply != 1:
+            self._lose(LossReason.NOT_OWNER)
+            return False
+        return self._confirm(t_send)
+
+    def _confirm(self, t_send: float) -> bool:
+        if self._state not in _ACTIVE:
+            return False
+        if self._loop.time() >= self._safe_until:
+            self._lose(LossReason.DEADLINE, self._lost_cause)
+            return False
+        safe_until = t_send + self.ttl - drift_for(self.ttl)
+        if safe_until > self._safe_until:
+            self._safe_until = safe_until
+            self._last_send = t_send
+            self._arm()
+        self._state = LeaseState.HELD
+        self._lost_cause = None
+        self._event(LeaseEventKind.RENEWED)
+        return True
+
+    def _suspect(self, cause: BaseException) -> None:
+        if self._state in _ACTIVE:
+            self._state = LeaseState.SUSPECT
+            self._lost_cause = cause  # kept as the cause should the deadline pass
+            self._event(LeaseEventKind.RENEW_FAILED, repr(cause))
+
+    def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None:
+        if self._state not in _ACTIVE:
+            return
+        self._state = LeaseState.LOST
+        self._lost_reason = reason
+        self._lost_cause = cause
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._scope is not None:
+            self._scope.cancel()
+        log.warning("asynclock: lease %r lost: %s", self.name, reason.value)
+        self._event(LeaseEventKind.LOST, reason.value)
+
+    def _end(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._state in _ACTIVE:
+            self._state = LeaseState.RELEASED
+
+
+class LeaseContext:
+    """The async context manager returned by :func:`lease`; single use."""
+
+    __slots__ = ("_entered", "_hook", "_lease", "_options", "_redis", "_scope")
+
+    def __init__(self, redis: Redis, options: LeaseOptions, hook: EventHook | None) -> None:
+        self._redis = redis
+        self._options = options
+        self._hook = hook
+        self._entered = False
+        self._lease: Lease | None = None
+        self._scope: anyio.CancelScope | None = None
+
+    async def __aenter__(self) -> Lease:
+        if self._entered:
+            raise RuntimeError("a lease() context manager can be entered only once")
+        self._entered = True
+        companion = companion_for(self._redis)
+        companion.retain()
+        try:
+            held = await _Acquisition(companion, self._options, self._hook).run()
+        except BaseException:
+            await _unretain(companion)
+            raise
+        self._lease = held
+        self._scope = anyio.CancelScope()
+        self._scope.__enter__()
+        held._start(self._scope)
+        held._event(LeaseEventKind.ACQUIRED)
+        return held
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        held, scope = self._lease, self._scope
+        if held is None or scope is None:
+            raise RuntimeError("__aexit__ called without a successful __aenter__")
+        swallowed = bool(scope.__exit__(exc_type, exc, tb))
+        held._scope = None
+        body_error = None if swallowed else exc
+        try:
+            await self._give_back(held)
+        finally:
+            held._end()
+            held._companion.room.wake(_channel(self._options))
+            await _unretain(held._companion)
+        if held.state is not LeaseState.LOST:
+            return swallowed
+        if body_error is None:
+            cause = held._lost_cause
+            raise LockLost(held.name, held.lost_reason or LossReason.DEADLINE) from cause
+        if not isinstance(body_error, asyncio.CancelledError):
+            body_error.add_note(
+                f"asynclock: the lease {held.name!r} was lost ({held.lost_reason}) "
+                "while this block ran"
+            )
+        return False
+
+    async def _give_back(self, held: Lease) -> None:
+        """Stop the watchdog and release the key (shielded, within release_timeout)."""
+        held._closing = True
+        watchdog = held._watchdog
+        if watchdog is not None and not watchdog.done():
+            watchdog.cancel()
+        elif held.lost_reason is LossReason.NOT_OWNER:
+            return  # nothing in flight, and the key is known not to be ours
+        try:
+            released = await finish(_release(held, watchdog), self._options.release_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "asynclock: release of %r did not complete (%r); its key expires by its TTL",
+                held.name,
+                exc,
+            )
+            held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
+            return
+        if released:
+            held._event(LeaseEventKind.RELEASED)
+        elif held.state in _ACTIVE:
+            held._lose(LossReason.NOT_OWNER)  # the key vanished without the watchdog noticing
+
+
+async def _release(held: Lease, watchdog: asyncio.Task[None] | None) -> bool:
+    if watchdog is not None and not watchdog.done():
+        await asyncio.wait((watchdog,))
+    if held.lost_reason is LossReason.NOT_OWNER:
+        return False
+    args: list[Arg] = [held._value, _channel(held._options)]
+    return await _run_twice(held._companion, RELEASE, [held.key], args) == 1
+
+
+async def _run_twice(
+    companion: Companion, script: Script, keys: Sequence[str], args: Sequence[Arg]
+) -> object:
+    """Run an idempotent script on the caller's client, or else once on the side pool.
+
+    The caller's pool may be exhausted (redis-py 8 raises at once) or hold a connection
+    the server closed; the side pool has no retries of its own.
+    """
+    try:
+        return await script(companion.client, keys, args)
+    except _UNKNOWN_OUTCOME as exc:
+        log.debug("asynclock: %s on the caller's client failed (%r), retrying", script.name, exc)
+        return await script(companion.renewer(), keys, args)
+
+
+async def _unretain(companion: Companion) -> None:
+    if companion.unretain():
+        try:
+            await finish(companion.aclose_if_idle(), _CLOSE_LIMIT)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("asynclock: closing side connections failed: %r", exc)
+
+
+def _channel(options: LeaseOptions) -> str:
+    return options.key + ":released"
+
+
+def _cancelling() -> int:
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if value is None else str(value)
+
+
+class _Acquisition:
+    """One acquire: a single attempt, or the wait in the local line until one succeeds."""
+
+    __slots__ = ("_companion", "_hook", "_loop", "_options", "_token")
+
+    def __init__(self, companion: Companion, options: LeaseOptions, hook: EventHook | None):
+        self._companion = companion
+        self._options = options
+        self._hook = hook
+        self._loop = companion.loop
+        self._token = secrets.token_hex(16)
+
+    async def run(self) -> Lease:
+        options = self._options
+        if options.blocking:
+            return await self._wait()
+        status, value, t_send = await self._attempt()
+        if status != 1:
+            raise LockBusy(options.name, value / 1000 if value >= 0 else None)
+        granted = await self._grant(value, t_send)
+        if granted is None:
+            raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
+        return granted
+
+    async def _wait(self) -> Lease:
+        options = self._options
+        room = self._companion.room
+        channel = _channel(options)
+        timeout = options.blocking_timeout
+        deadline = None if timeout is None else self._loop.time() + timeout
+        waiter = room.join(channel)
+        try:
+            subscribed = False
+            fallback: float | None = None
+            while True:
+                head = room.is_head(channel, waiter)
+                if head and (waiter.event.is_set() or fallback == 0):
+                    waiter.event.clear()
+                    status, value, t_send = await self._attempt()
+                    if status == 1:
+                        granted = await self._grant(value, t_send)
+                        if granted is not None:
+                            return granted
+                        waiter.event.set()
+                        continue
+                    if not subscribed:
+                        subscribed = True
+                        if await room.subscribe(channel):
+                            waiter.event.set()  # subscribed first, now try again
+                            continue
+                    fallback = self._fallback(value)
+                elif not head:
+                    fallback = None
+                wait = fallback
+                if deadline is not None:
+                    left = deadline - self._loop.time()
+                    if left <= 0:
+                        raise AcquireTimeout(options.name, timeout or 0.0)
+                    wait = left if wait is None else min(wait, left)
+                fallback = await _wait_event(waiter.event, wait)
+        finally:
+            room.leave(channel, waiter)
+
+    def _fallback(self, pttl_ms: int) -> float:
+        """Seconds to wait before trying again without a notification."""
+        if pttl_ms < 0:  # a key without expiry (set from outside): look again after a ttl
+            return self._options.ttl
+        pttl = pttl_ms / 1000
+        return pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
+
+    async def _grant(self, fencing_token: int, t_send: float) -> Lease | None:
+        """The lease for a successful attempt, or None if too little validity is left."""
+        granted = Lease(
+            self._options, self._companion, self._token, fencing_token, t_send, self._hook
+        )
+        if granted.time_left >= self._options.ttl / 3:
+            return granted
+        log.warning(
+            "asynclock: acquire of %r took %.3fs of a %.3fs ttl; not handed out",
+            self._options.name,
+            self._loop.time() - t_send,
+            self._options.ttl,
+        )
+        await self._abandon()
+        return None
+
+    async def _attempt(self) -> tuple[int, int, float]:
+        """One acquire round trip: (1, fencing token) or (0, holder's pttl ms), t_send."""
+        options = self._options
+        keys = [options.key, options.key + ":fence", f"{options.key}:void:{self._token}"]
+        args: list[Arg] = [self._token, options.ttl_ms, max(_DAY_MS, 10 * options.ttl_ms)]
+        before = _cancelling()
+        t_send = self._loop.time()
+        try:
+            reply = await ACQUIRE(self._companion.client, keys, args)
+        except ResponseError:
+            raise  # the server refused the script: nothing was written
+        except BaseException:
+            await self._abandon()
+            raise
+        status, value = (int(x) for x in reply)  # type: ignore[attr-defined]
+        if cancel_dropped(before):
+            if status == 1:
+                await self._abandon()
+            raise asyncio.CancelledError
+        if status < 0:
+            raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        return status, value, t_send
+
+    async def _abandon(self) -> None:
+        """Undo an attempt that may have landed, and stop it from landing later."""
+        options = self._options
+        keys = [options.key, f"{options.key}:void:{self._token}"]
+        args: list[Arg] = [self._token, max(10_000, 3 * options.ttl_ms), _channel(options)]
+        try:
+            await finish(_run_twice(self._companion, ABANDON, keys, args), options.release_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "asynclock: could not undo an abandoned acquire of %r (%r); "
+                "if it landed, its key expires by its TTL",
+                options.name,
+                exc,
+            )
+
+
+async def _wait_event(event: asyncio.Event, limit: float | None) -> float | None:
+    """Wait for ``event`` up to ``limit`` seconds; returns 0 if it timed out, else None."""
+    if limit is None:
+        await event.wait()
+        return None
+    try:
+        async with asyncio.timeout(limit):
+            await event.wait()
+    except TimeoutError:
+        return 0
+    return None
+
+
+def lease(
+    redis: Redis,
+    name: str,
+    *,
+    ttl: float = 10.0,
+    blocking: bool = True,
+    blocking_timeout: float | None = None,
+    release_timeout: float = 2.0,
+    prefix: str = "asynclock:",
+    on_event: EventHook | None = None,
+) -> LeaseContext:
+    """Hold the lock ``name`` for the duration of an ``async with`` block.
+
+    Args:
+        redis: a ``redis.asyncio.Redis`` client (``decode_responses`` either way).
+        name: the lock's name; non-empty.
+        ttl: seconds the key lives in Redis unless renewed; the watchdog renews it every
+            ``ttl / 3``. At least 0.03.
+        blocking: wait for the lock (True) or make one attempt (False).
+        blocking_timeout: with ``blocking=True``, the most seconds to wait; None waits
+            until acquired (the caller's own ``asyncio.timeout`` works too).
+        release_timeout: seconds allowed for the release on exit; past it the key is left
+            to expire by its TTL.
+        prefix: prepended to every key and channel of the lock.
+        on_event: called with a :class:`LeaseEvent` at each step of the lease's life.
+
+    Raises (when the block is entered):
+        LockBusy: ``blocking=False`` and another owner holds the lock.
+        AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``).
+        redis.exceptions.RedisError: Redis refused or could not be reached.
+
+    Raises (when the block exits):
+        LockLost: the lease was lost while the block ran (the block was cancelled). An
+            exception raised by the block itself propagates instead, with a note.
+
+    ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
+    """
+    options = LeaseOptions.build(
+        redis,
+        name,
+        ttl=ttl,
+        blocking=blocking,
+        blocking_timeout=blocking_timeout,
+        release_timeout=release_timeout,
+        prefix=prefix,
+    )
+    if on_event is not None and not callable(on_event):
+        raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
+    return LeaseContext(redis, options, on_event)

@@ -1,0 +1,120 @@
+"""Validated options of one lease.
+
+Everything a caller passes to :func:`asynclock.lease` is checked here, once, before any
+I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+__all__ = ["MIN_TTL", "LeaseOptions", "drift_for"]
+
+MIN_TTL = 0.03
+"""Shortest TTL accepted, in seconds: below it a renewal every ttl/3 (10 ms) cannot be
+relied on to travel to Redis and back in time."""
+
+
+def drift_for(ttl: float) -> float:
+    """Clock-rate allowance subtracted from a lease's validity, in seconds.
+
+    1% of the TTL covers a server clock running fast relative to ours; the 2 ms floor
+    covers timer granularity.
+    """
+    return ttl * 0.01 + 0.002
+
+
+def _number(argument: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{argument} must be finite, got {value!r}")
+    return result
+
+
+def _positive(argument: str, value: object) -> float:
+    result = _number(argument, value)
+    if result <= 0:
+        raise ValueError(f"{argument} must be positive, got {value!r}")
+    return result
+
+
+def _optional_timeout(argument: str, value: object) -> float | None:
+    if value is None:
+        return None
+    result = _number(argument, value)
+    if result < 0:
+        raise ValueError(f"{argument} must not be negative, got {value!r}")
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOptions:
+    """The validated settings of one :func:`asynclock.lease` call. Times in seconds."""
+
+    name: str
+    ttl: float
+    blocking: bool
+    blocking_timeout: float | None
+    release_timeout: float
+    prefix: str
+
+    @property
+    def key(self) -> str:
+        """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
+        return f"{self.prefix}{{{self.name}}}"
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl * 1000))
+
+    @classmethod
+    def build(
+        cls,
+        redis: object,
+        name: object,
+        *,
+        ttl: object,
+        blocking: object,
+        blocking_timeout: object,
+        release_timeout: object,
+        prefix: object,
+    ) -> LeaseOptions:
+        """Check every argument; raise ``TypeError``/``ValueError`` naming the first bad one."""
+        if not isinstance(redis, Redis):
+            raise TypeError(
+                "redis must be a redis.asyncio.Redis client (redis-py's asyncio API), "
+                f"not {type(redis).__module__}.{type(redis).__qualname__}"
+            )
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("name must not be empty")
+        ttl_s = _positive("ttl", ttl)
+        if ttl_s < MIN_TTL:
+            raise ValueError(
+                f"ttl must be at least {MIN_TTL}s so the lease can be renewed every ttl/3, "
+                f"got {ttl!r}"
+            )
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+        wait = _optional_timeout("blocking_timeout", blocking_timeout)
+        if wait is not None and not blocking:
+            raise ValueError("blocking_timeout can only be given with blocking=True")
+        release = _positive("release_timeout", release_timeout)
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("prefix must not contain '{' or '}' (the name is the hash tag)")
+        return cls(
+            name=name,
+            ttl=ttl_s,
+            blocking=blocking,
+            blocking_timeout=wait,
+            release_timeout=release,
+            prefix=prefix,
+        )

@@ -1,0 +1,127 @@
+"""The Lua scripts that make every lease operation one atomic round trip.
+
+Layout of one lock named ``N`` under prefix ``P`` (all keys share the hash tag ``{N}`` so
+they live in one Redis Cluster slot)::
+
+    P{N}                 the lease; value "<token>:<fencing token>", PX = ttl
+    P{N}:fence           the last fencing token minted; PX = a day or 10 x ttl
+    P{N}:void:<token>    tombstone of an abandoned acquire attempt; PX = max(3 x ttl, 10 s)
+    P{N}:released        pub/sub channel; release publishes on it to wake waiters
+
+The value carries the fencing token so that an acquire retried after a lost reply can
+answer with the same token it minted the first time. Every owner check compares the
+``<token>:`` prefix (the token is 32 hex digits, so no other holder's value can match).
+
+Scripts run with EVALSHA and fall back to EVAL on NOSCRIPT: a restarted or failed-over
+server has an empty script cache, which is not a lost lease.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+__all__ = ["ABANDON", "ACQUIRE", "RELEASE", "RENEW", "Script"]
+
+Arg = str | int | float | bytes
+
+
+class Script:
+    """A Lua script run by SHA1 with a transparent fallback to its source on NOSCRIPT."""
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Arg]) -> object:
+        """Run the script on ``client``; raises whatever redis-py raises, except NOSCRIPT."""
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)
+
+
+ACQUIRE = Script(
+    "acquire",
+    """
+-- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone
+-- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms)
+-- returns {1, fencing token} when held by this token (new, or a retry of ours),
+--         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
+--         {-1, 0} when this attempt was abandoned (its tombstone exists)
+local current = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ':'
+if current then
+  if string.sub(current, 1, #mine) == mine then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, tonumber(string.sub(current, #mine + 1))}
+  end
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {-1, 0}
+end
+local now = redis.call('TIME')
+local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('GET', KEYS[2]))
+if last and last >= fence then
+  fence = last + 1
+end
+local text = string.format('%d', fence)
+redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+return {1, fence}
+""",
+)
+
+RENEW = Script(
+    "renew",
+    """
+-- KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] ttl (ms)
+-- returns 1 when the key still holds our value (its TTL is now exactly ttl), else 0
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+""",
+)
+
+RELEASE = Script(
+    "release",
+    """
+-- KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] the release channel
+-- returns 1 when our key was deleted (and waiters notified), 0 when it was not ours
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], '')
+  return 1
+end
+return 0
+""",
+)
+
+ABANDON = Script(
+    "abandon",
+    """
+-- KEYS[1] lease key, KEYS[2] the attempt's tombstone
+-- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel
+-- Leaves a tombstone so the abandoned attempt, should it reach Redis after this script,
+-- sets nothing; deletes the key if the attempt already landed. Returns 1 if it deleted.
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+local current = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ':'
+if current and string.sub(current, 1, #mine) == mine then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[3], '')
+  return 1
+end
+return 0
+""",
+)

@@ -1,0 +1,67 @@
+"""Running cleanup to completion, and delivering cancellations that redis-py dropped.
+
+Design note. Two kinds of cancellation reach a task here: anyio cancel scopes (which
+re-deliver until the scope exits, but respect ``shield=True``) and native ``Task.cancel()``
+from ``asyncio.timeout`` or a caller (delivered once, ignoring anyio shields). Cleanup that
+must reach Redis (a release, the undoing of an abandoned acquire) therefore runs as its own
+task: the caller waits for it inside a shielded scope, swallowing native cancellations
+while it waits, and re-raises one afterwards. The wait is bounded so a stopped server
+cannot hang the caller; past the bound the cleanup task is cancelled.
+
+Separately, redis-py wraps socket I/O in ``asyncio.wait_for``/``timeout`` which, on Python
+3.11, can swallow a cancellation that lands as the inner read completes: the call returns
+normally while ``Task.cancelling()`` went up. :func:`cancel_dropped` detects that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import anyio
+
+__all__ = ["cancel_dropped", "finish"]
+
+T = TypeVar("T")
+
+
+def cancel_dropped(cancelling_before: int) -> bool:
+    """True if the current task was cancelled since ``cancelling_before`` was read."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > cancelling_before
+
+
+async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:
+    """Run ``coro`` to completion, at most ``limit`` seconds, whatever cancels the caller.
+
+    Returns the coroutine's result. Raises ``TimeoutError`` if it did not finish within
+    ``limit`` (it is then cancelled), the coroutine's own exception if it failed, and
+    ``CancelledError`` after it finished if the caller was cancelled meanwhile.
+    """
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    cancelled = False
+    with anyio.CancelScope(shield=True):
+        while not task.done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                task.cancel()
+                break
+            try:
+                await asyncio.wait((task,), timeout=remaining)
+            except asyncio.CancelledError:
+                cancelled = True
+        while not task.done():  # cancelled above: let it unwind (it cannot block on I/O)
+            try:
+                await asyncio.wait((task,))
+            except asyncio.CancelledError:
+                cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not log it as unhandled
+        raise asyncio.CancelledError
+    if task.cancelled():
+        raise TimeoutError(f"did not finish within {limit:g}s")
+    return task.result()

@@ -1,0 +1,211 @@
+"""Waking waiters when a lock is released, without polling.
+
+Design note. Waiters of one process queue locally, one line per lock: only the head of a
+line talks to Redis, so a release wakes one attempt, not a herd, and waiters are served in
+arrival order. A release by this process wakes its local head directly. Other processes
+learn of a release from the lock's pub/sub channel, on which the release script publishes;
+one subscription connection per client serves every lock waited on.
+
+A waiter subscribes before the attempt that precedes its wait, so no release can slip
+between a failed attempt and the subscription. Notifications are only a hint: the head
+also wakes when the holder's key would expire (its PTTL plus jitter), so an expired or
+crashed holder's lock is taken too, and a broken subscription degrades to that fallback,
+never to an error or a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from typing import Any
+
+from redis.exceptions import RedisError
+
+__all__ = ["Waiter", "WaitingRoom"]
+
+log = logging.getLogger("asynclock")
+
+_SUBSCRIBE_LIMIT = 1.0  # seconds a waiter waits for a subscription to be confirmed
+_STALE_CHANNELS = 64  # unused subscriptions kept before they are dropped in one batch
+
+
+class Waiter:
+    """One contender waiting in a line; ``event`` is set to wake it."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+
+class WaitingRoom:
+    """The local lines of waiters of one client, and the subscription that wakes them."""
+
+    def __init__(self, connection_class: type[Any], settings: dict[str, Any]) -> None:
+        self._connection_class = connection_class
+        # The listener reads RESP2 bytes and blocks without a socket timeout.
+        self._settings = {
+            **settings,
+            "decode_responses": False,
+            "protocol": 2,
+            "socket_timeout": None,
+        }
+        self._lines: dict[str, deque[Waiter]] = {}
+        self._connection: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._confirmed: set[str] = set()
+        self._pending: dict[str, asyncio.Future[bool]] = {}
+        self._healthy = False
+        self._subscribed: set[str] = set()  # channels sent SUBSCRIBE and not UNSUBSCRIBE
+
+    @property
+    def open(self) -> bool:
+        return self._reader is not None
+
+    # -- local lines -------------------------------------------------------------------
+
+    def join(self, channel: str) -> Waiter:
+        """Add a waiter at the end of ``channel``'s line."""
+        waiter = Waiter()
+        line = self._lines.setdefault(channel, deque())
+        line.append(waiter)
+        if len(line) == 1:
+            waiter.event.set()
+        return waiter
+
+    def is_head(self, channel: str, waiter: Waiter) -> bool:
+        line = self._lines.get(channel)
+        return bool(line) and line[0] is waiter  # type: ignore[index]
+
+    def leave(self, channel: str, waiter: Waiter) -> None:
+        """Remove ``waiter``; the next in line becomes head and is woken to try."""
+        line = self._lines.get(channel)
+        if not line:
+            return
+        was_head = line[0] is waiter
+        with contextlib.suppress(ValueError):
+            line.remove(waiter)
+        if not line:
+            del self._lines[channel]
+        elif was_head:
+            line[0].event.set()
+
+    def wake(self, channel: str) -> None:
+        """The lock on ``channel`` was released: wake the head of its line, if any."""
+        line = self._lines.get(channel)
+        if line:
+            line[0].event.set()
+
+    def _wake_all(self) -> None:
+        for line in self._lines.values():
+            line[0].event.set()
+
+    # -- the subscription --------------------------------------------------------------
+
+    async def subscribe(self, channel: str) -> bool:
+        """Subscribe to ``channel`` and wait (bounded) until Redis confirmed it.
+
+        Returns False when the subscription could not be confirmed; the caller then relies
+        on its PTTL fallback. Never raises for a Redis or network failure.
+        """
+        if channel in self._confirmed:
+            return True
+        try:
+            await self._ensure_reader()
+            if not self._healthy:
+                return False
+            future = self._pending.get(channel)
+            if future is None:
+                future = self._pending[channel] = asyncio.get_running_loop().create_future()
+                stale = self._subscribed - self._lines.keys() - {channel}
+                if len(stale) >= _STALE_CHANNELS:
+                    await self._connection.send_command("UNSUBSCRIBE", *stale)
+                    self._subscribed -= stale
+                self._subscribed.add(channel)
+                await self._connection.send_command("SUBSCRIBE", channel)
+            async with asyncio.timeout(_SUBSCRIBE_LIMIT):
+                return await asyncio.shield(future)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("asynclock: subscription to %s not confirmed: %r", channel, exc)
+            return False
+
+    async def _ensure_reader(self) -> None:
+        if self._reader is None:
+            connection = self._connection_class(**self._settings)
+            self._connection = connection
+            try:
+                async with asyncio.timeout(_SUBSCRIBE_LIMIT):
+                    await connection.connect()
+            except BaseException:
+                self._connection = None
+                with contextlib.suppress(Exception):
+                    await connection.disconnect()
+                raise
+            self._healthy = True
+            self._reader = asyncio.get_running_loop().create_task(
+                self._read(), name="asynclock-wakeup"
+            )
+
+    async def _read(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if not self._healthy:
+                    await self._connection.connect()
+                    if self._subscribed:
+                        await self._connection.send_command("SUBSCRIBE", *self._subscribed)
+                    self._healthy = True
+                reply = await self._connection.read_response(timeout=math.inf)
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                log.debug("asynclock: wake-up subscription broken: %r", exc)
+                self._healthy = False
+                self._confirmed.clear()
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_result(False)
+                self._pending.clear()
+                self._wake_all()  # a release may have been missed: let every head try
+                with contextlib.suppress(Exception):
+                    await self._connection.disconnect()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            self._dispatch(reply)
+
+    def _dispatch(self, reply: object) -> None:
+        if not isinstance(reply, list) or len(reply) < 2:
+            return
+        kind, raw_channel = reply[0], reply[1]
+        channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
+        if kind == b"message":
+            self.wake(channel)
+        elif kind == b"subscribe":
+            self._confirmed.add(channel)
+            future = self._pending.pop(channel, None)
+            if future is not None and not future.done():
+                future.set_result(True)
+        elif kind == b"unsubscribe" and channel not in self._subscribed:
+            self._confirmed.discard(channel)
+
+    async def aclose(self) -> None:
+        """Stop listening and close the subscription connection."""
+        reader, self._reader = self._reader, None
+        connection, self._connection = self._connection, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.disconnect()
+        for future in self._pending.values():
+            if not future.done():
+                future.cancel()
+        self._pending.clear()
+        self._confirmed.clear()
+        self._subscribed.clear()
+        self._healthy = False
