@@ -529,19 +529,36 @@ class _Acquisition:
         return None
 
     async def _attempt(self) -> tuple[int, int, float]:
-        """One acquire round trip: (1, fencing token) or (0, holder's pttl ms), t_send."""
+        """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
+
+        A connection error or timeout leaves the outcome unknown, so the same script is
+        sent once more with the same token: if the first landed, the retry finds our own
+        key and answers with the same fencing token. If the outcome stays unknown, or the
+        caller is cancelled, the attempt is abandoned (see ``_abandon``) before raising.
+        """
         options = self._options
         keys = [options.key, options.key + ":fence", f"{options.key}:void:{self._token}"]
         args: list[Arg] = [self._token, options.ttl_ms, max(_DAY_MS, 10 * options.ttl_ms)]
         before = _cancelling()
-        t_send = self._loop.time()
-        try:
-            reply = await ACQUIRE(self._companion.client, keys, args)
-        except ResponseError:
-            raise  # the server refused the script: nothing was written
-        except BaseException:
-            await self._abandon()
-            raise
+        may_have_landed = False
+        while True:
+            t_send = self._loop.time()
+            try:
+                reply = await ACQUIRE(self._companion.client, keys, args)
+                break
+            except _UNKNOWN_OUTCOME:
+                if not may_have_landed:
+                    may_have_landed = True
+                    continue
+                await self._abandon()
+                raise
+            except ResponseError:
+                if may_have_landed:
+                    await self._abandon()
+                raise  # the server refused the script: it wrote nothing
+            except BaseException:
+                await self._abandon()
+                raise
         status, value = (int(x) for x in reply)  # type: ignore[attr-defined]
         if cancel_dropped(before):
             if status == 1:

@@ -1,0 +1,121 @@
+"""Small helpers shared by the lease tests (not fixtures; those live in conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+
+import pytest
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+
+
+class Monitor:
+    """Collects the commands a server executes, from a MONITOR connection.
+
+    ``await monitor.mark()`` returns once every command sent before the call (on any
+    connection whose reply was already received) has been seen, by sending a unique
+    ECHO and waiting for it to come through.
+    """
+
+    def __init__(self, url: str) -> None:
+        client = Redis.from_url(url)
+        kwargs = client.connection_pool.connection_kwargs
+        self._connection = Connection(host=kwargs["host"], port=kwargs["port"])
+        self._client = client
+        self.lines: list[str] = []
+        self._waiting: dict[str, asyncio.Future[int]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Monitor:
+        await self._connection.connect()
+        await self._connection.send_command("MONITOR")
+        reply = await self._connection.read_response()
+        assert reply in (b"OK", "OK"), reply
+        self._task = asyncio.get_running_loop().create_task(self._read())
+        await self.mark()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._connection.disconnect()
+        await self._client.aclose()
+
+    async def _read(self) -> None:
+        while True:
+            raw = await self._connection.read_response(timeout=math.inf)
+            line = raw.decode() if isinstance(raw, bytes) else str(raw)
+            self.lines.append(line)
+            for marker, future in list(self._waiting.items()):
+                if marker in line and not future.done():
+                    future.set_result(len(self.lines) - 1)
+
+    async def mark(self) -> int:
+        """Index in ``lines`` of a marker executed after everything sent before now."""
+        marker = f"mark-{uuid.uuid4().hex}"
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[marker] = future
+        await self._client.echo(marker)
+        async with asyncio.timeout(5):
+            index = await future
+        del self._waiting[marker]
+        return index
+
+    def client_commands(self, start: int, end: int) -> list[str]:
+        """Command names sent by clients (not from inside scripts) between two marks."""
+        names = []
+        for line in self.lines[start + 1 : end]:
+            if " lua]" in line or "mark-" in line:
+                continue
+            names.append(line.split('"')[1].upper())
+        return names
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0, what: str = "condition"
+) -> None:
+    """Check ``predicate`` until it holds; fail after ``timeout`` seconds.
+
+    For state that changes in another process (a server's client list) where there is
+    nothing to await.
+    """
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def commandstat(client: Redis, command: str) -> int:
+    """How many times the server executed ``command`` (from INFO commandstats)."""
+    info: dict[str, Any] = await client.info("commandstats")
+    return int(info.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+@contextlib.asynccontextmanager
+async def running(coro: Awaitable[Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    """Run ``coro`` as a task for the duration of the block, cancelling it on exit."""
+    task = asyncio.ensure_future(coro)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+@pytest.fixture(params=[False, True], ids=["bytes", "str"])
+def client(
+    request: pytest.FixtureRequest, redis_server: Any, make_client: Callable[..., Redis]
+) -> Redis:
+    """A client of ``redis_server``, with ``decode_responses`` False and True."""
+    return make_client(redis_server.url, decode_responses=request.param)
