@@ -59,6 +59,7 @@ class WaitingRoom:
         self._confirmed: set[str] = set()
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._healthy = False
+        self._starting = asyncio.Lock()
         self._subscribed: set[str] = set()  # channels sent SUBSCRIBE and not UNSUBSCRIBE
 
     @property
@@ -133,17 +134,20 @@ class WaitingRoom:
             return False
 
     async def _ensure_reader(self) -> None:
-        if self._reader is None:
+        if self._reader is not None:
+            return
+        async with self._starting:
+            if self._reader is not None:
+                return
             connection = self._connection_class(**self._settings)
-            self._connection = connection
             try:
                 async with asyncio.timeout(_SUBSCRIBE_LIMIT):
                     await connection.connect()
             except BaseException:
-                self._connection = None
                 with contextlib.suppress(Exception):
                     await connection.disconnect()
                 raise
+            self._connection = connection
             self._healthy = True
             self._reader = asyncio.get_running_loop().create_task(
                 self._read(), name="asynclock-wakeup"

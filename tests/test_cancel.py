@@ -1,0 +1,104 @@
+"""Cancelling an acquire at any point leaves no key behind (issue 2, point 10)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock._connections import companion_for
+
+
+def test_cancel_after_any_number_of_loop_steps_leaves_no_key(redis_server: Any, prefix: str):
+    """10: hundreds of acquires, each cancelled after a random number of loop steps.
+
+    Scenarios: a free lock (blocking and not), and a lock held by another client (the
+    contender waits in line). Whatever the step, afterwards the free lock's key is
+    absent, the held lock's key still holds the holder's value, and no waiter is left in
+    the local line. Cancellations land both during the acquire and inside the body.
+    """
+    loop = asyncio.new_event_loop()
+    outcomes = {"before": 0, "inside": 0}
+
+    client = Redis.from_url(redis_server.url)
+    holder_client = Redis.from_url(redis_server.url)
+    stop = loop.run_until_complete(_make_event())
+    ready: asyncio.Future[asynclock.Lease] = loop.create_future()
+
+    async def hold() -> None:
+        async with asynclock.lease(holder_client, "held", ttl=60, prefix=prefix) as lock:
+            ready.set_result(lock)
+            await stop.wait()
+
+    holder_task = loop.create_task(hold())
+    holder = loop.run_until_complete(ready)
+    holder_value = f"{holder.token}:{holder.fencing_token}".encode()
+
+    async def one_case(steps: int, scenario: str) -> None:
+        name = "held" if scenario == "held" else "free"
+        entered = asyncio.Event()
+
+        async def contender() -> None:
+            async with asynclock.lease(
+                client, name, ttl=30, prefix=prefix, blocking=scenario != "free-nonblocking"
+            ):
+                entered.set()
+                await asyncio.Event().wait()
+
+        task = loop.create_task(contender())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, asynclock.LockBusy):
+            pass
+        outcomes["inside" if entered.is_set() else "before"] += 1
+        assert await client.get(prefix + "{free}") is None
+        assert await client.get(prefix + "{held}") == holder_value
+        assert not companion_for(client).room._lines
+
+    @settings(
+        max_examples=300,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(
+        steps=st.integers(min_value=0, max_value=300),
+        scenario=st.sampled_from(["free", "free-nonblocking", "held"]),
+    )
+    def run(steps: int, scenario: str) -> None:
+        loop.run_until_complete(one_case(steps, scenario))
+
+    try:
+        run()
+
+        async def settle_and_check() -> None:
+            # An abandoned attempt may still be on its way to the server; give it time to
+            # land, then check that its tombstone kept it from setting the key.
+            await asyncio.sleep(0.3)
+            assert await client.get(prefix + "{free}") is None
+            assert await client.get(prefix + "{held}") == holder_value
+
+        loop.run_until_complete(settle_and_check())
+        assert outcomes["before"] >= 20, outcomes
+        assert outcomes["inside"] >= 20, outcomes
+    finally:
+
+        async def teardown() -> None:
+            stop.set()
+            await holder_task
+            await client.aclose()
+            await holder_client.aclose()
+
+        loop.run_until_complete(teardown())
+        loop.close()
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()

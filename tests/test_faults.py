@@ -1,0 +1,161 @@
+"""The watchdog under real faults: a stopped server, a reset connection, a full pool.
+
+Numbers in test docstrings refer to the "must hold" list of issue 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+import asynclock
+from asynclock import LeaseEventKind, LeaseState, LockLost, LossReason
+from asynclock.testing import FaultProxy, RedisServer
+
+
+async def test_stopped_server_cancels_body_before_key_can_expire(
+    private_server: RedisServer, prefix: str
+):
+    """5: SIGSTOP: the body is cancelled by the deadline timer before the key's expiry.
+
+    The key's absolute expiry is read with the server's own clock (PEXPIRETIME) right
+    after a renewal, then the server is stopped; the next renewal cannot land. The
+    body's cancellation instant (wall clock of this host, which is the server's clock
+    too) must come before that expiry, while the server is still stopped.
+    """
+    ttl = 2.0
+    client = Redis.from_url(private_server.url)
+    observer = Redis.from_url(private_server.url)
+    renewed = asyncio.Event()
+    cancelled_at: list[float] = []
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        if event.kind is LeaseEventKind.RENEWED:
+            renewed.set()
+
+    try:
+        with pytest.raises(LockLost) as caught:
+            async with asynclock.lease(
+                client, "paused", ttl=ttl, prefix=prefix, on_event=on_event, release_timeout=0.3
+            ) as lock:
+                await renewed.wait()
+                expires_at_ms = int(await observer.execute_command("PEXPIRETIME", lock.key))
+                private_server.pause()
+                paused_at = time.monotonic()
+                try:
+                    await anyio.sleep_forever()
+                except BaseException:
+                    cancelled_at.append(time.time() * 1000)
+                    assert private_server.is_paused  # no command could have returned
+                    raise
+        elapsed = time.monotonic() - paused_at
+    finally:
+        private_server.resume()
+        await client.aclose()
+        await observer.aclose()
+    assert caught.value.reason is LossReason.DEADLINE
+    assert cancelled_at, "the body was not cancelled"
+    margin_ms = expires_at_ms - cancelled_at[0]
+    assert margin_ms > 0, f"cancelled {-margin_ms:.1f} ms after the key could expire"
+    assert elapsed < ttl + 1.0, elapsed  # and no hang
+    assert lock.state is LeaseState.LOST
+
+
+async def test_blackholed_connection_loses_lease_at_deadline(
+    private_server: RedisServer, prefix: str
+):
+    """5: a cut TCP path (blackhole) also ends in LockLost(deadline), before the expiry."""
+    from asynclock.testing import ProxyMode
+
+    ttl = 1.0
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        renewed = asyncio.Event()
+        try:
+            with pytest.raises(LockLost) as caught:
+                async with asynclock.lease(
+                    client,
+                    "cut",
+                    ttl=ttl,
+                    prefix=prefix,
+                    release_timeout=0.3,
+                    on_event=lambda e: renewed.set() if e.kind is LeaseEventKind.RENEWED else None,
+                ) as lock:
+                    await renewed.wait()
+                    proxy.set_mode(ProxyMode.BLACKHOLE)
+                    try:
+                        await anyio.sleep_forever()
+                    finally:
+                        with anyio.CancelScope(shield=True):  # ask while being cancelled
+                            pttl_at_cancel = await observer.pttl(lock.key)
+            assert caught.value.reason is LossReason.DEADLINE
+            assert pttl_at_cancel > 0, "the key had expired before the body was cancelled"
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await client.aclose()
+            await observer.aclose()
+
+
+async def test_one_connection_reset_does_not_lose_a_healthy_lease(
+    private_server: RedisServer, prefix: str
+):
+    """6: a renewal whose connection is reset is retried before the deadline."""
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        events: list[asynclock.LeaseEvent] = []
+        renewed = asyncio.Event()
+
+        def on_event(event: asynclock.LeaseEvent) -> None:
+            events.append(event)
+            if event.kind is LeaseEventKind.RENEWED:
+                renewed.set()
+
+        try:
+            async with asynclock.lease(
+                client, "reset", ttl=0.6, prefix=prefix, on_event=on_event
+            ) as lock:
+                for _ in range(3):
+                    await renewed.wait()
+                    renewed.clear()
+                    proxy.reset_on_next_reply()  # the next renewal's reply is lost
+                    await renewed.wait()  # ... and a retry confirms it
+                    renewed.clear()
+                assert await lock.is_held(verify=True)
+            kinds = [e.kind for e in events]
+            assert kinds.count(LeaseEventKind.RENEW_FAILED) >= 3
+            assert LeaseEventKind.LOST not in kinds
+            assert lock.state is LeaseState.RELEASED
+        finally:
+            await client.aclose()
+
+
+async def test_exhausted_pool_does_not_starve_renewals(
+    redis_server: Any, make_client: Any, prefix: str
+):
+    """7: every app connection stuck in BLPOP; renewals travel on their own connection."""
+    client: Redis = make_client(redis_server.url, max_connections=3)
+    blockers = []
+    async with asynclock.lease(client, "starved", ttl=0.3, prefix=prefix) as lock:
+        for i in range(3):
+            blockers.append(asyncio.create_task(client.blpop([f"{prefix}nothing:{i}"], timeout=3)))
+        await asyncio.sleep(0)
+        with pytest.raises(RedisConnectionError, match="Too many connections"):
+            await client.ping()  # the pool is exhausted
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # five ttl periods
+            assert await lock.is_held()
+            await asyncio.sleep(0.05)
+        key = lock.key
+    for task in blockers:
+        task.cancel()
+    await asyncio.gather(*blockers, return_exceptions=True)
+    assert lock.state is LeaseState.RELEASED  # released through the side connection
+    observer = make_client(redis_server.url)
+    assert await observer.exists(key) == 0

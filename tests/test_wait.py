@@ -1,0 +1,197 @@
+"""Blocking waits: woken by the release, with a PTTL fallback (issue 2, point 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+import pytest
+from helpers import client, commandstat, wait_until  # noqa: F401
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock._connections import companion_for
+from asynclock.testing import RedisServer
+
+
+async def _hold_until(
+    redis: Redis, name: str, prefix: str, held: asyncio.Event, release: asyncio.Event
+) -> None:
+    async with asynclock.lease(redis, name, ttl=30, prefix=prefix):
+        held.set()
+        await release.wait()
+
+
+async def test_release_wakes_a_waiter_in_another_client(
+    client: Redis, make_client: Any, redis_server: Any, prefix: str
+):
+    """11: a waiter is woken by the release notification, not by the holder's 30 s TTL."""
+    holder_client = make_client(redis_server.url)
+    held, release = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(_hold_until(holder_client, "job", prefix, held, release))
+    await held.wait()
+    waiting = asyncio.create_task(
+        _acquire_and_time(client, "job", prefix, blocking_timeout=20)
+    )
+    await wait_until(
+        lambda: _subscribed(client, "job", prefix), what="the waiter's subscription"
+    )
+    released_at = time.monotonic()
+    release.set()
+    await holder
+    acquired_at = await waiting
+    assert acquired_at - released_at < 1.0  # the TTL fallback would take 30 s
+
+
+async def _acquire_and_time(redis: Redis, name: str, prefix: str, **kwargs: Any) -> float:
+    async with asynclock.lease(redis, name, ttl=30, prefix=prefix, **kwargs):
+        return time.monotonic()
+
+
+async def _subscribed(redis: Redis, name: str, prefix: str) -> bool:
+    return f"{prefix}{{{name}}}:released" in companion_for(redis).room._confirmed
+
+
+async def test_waiter_takes_an_expired_lock_at_its_pttl(client: Redis, prefix: str):
+    """11: no release notification comes for an expiring key; the PTTL fallback wakes."""
+    await client.set(prefix + "{orphan}", "crashed-holder", px=600)
+    started = time.monotonic()
+    async with asynclock.lease(client, "orphan", ttl=5, prefix=prefix, blocking_timeout=10):
+        waited = time.monotonic() - started
+    assert 0.5 <= waited < 0.6 + 1.0, waited
+
+
+async def test_waiting_does_not_poll(private_server: RedisServer, prefix: str):
+    """11: while the holder renews a 30 s lease, a waiter makes only a couple of attempts."""
+    holder_client = Redis.from_url(private_server.url)
+    client = Redis.from_url(private_server.url)
+    observer = Redis.from_url(private_server.url)
+    held, release = asyncio.Event(), asyncio.Event()
+    try:
+        holder = asyncio.create_task(_hold_until(holder_client, "slow", prefix, held, release))
+        await held.wait()
+        before = await commandstat(observer, "evalsha") + await commandstat(observer, "eval")
+        with pytest.raises(asynclock.AcquireTimeout):
+            async with asynclock.lease(client, "slow", ttl=5, prefix=prefix, blocking_timeout=1.5):
+                pass
+        after = await commandstat(observer, "evalsha") + await commandstat(observer, "eval")
+        assert after - before <= 3, after - before
+        release.set()
+        await holder
+    finally:
+        await holder_client.aclose()
+        await client.aclose()
+        await observer.aclose()
+
+
+async def test_blocking_timeout_raises_acquire_timeout(client: Redis, prefix: str):
+    """11: blocking_timeout gives AcquireTimeout, which is also a TimeoutError."""
+    async with asynclock.lease(client, "busy", ttl=30, prefix=prefix) as holder:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError) as caught:
+            async with asynclock.lease(client, "busy", ttl=30, prefix=prefix, blocking_timeout=0.3):
+                pass
+        assert isinstance(caught.value, asynclock.AcquireTimeout)
+        assert 0.3 <= time.monotonic() - started < 2.0
+        assert await holder.is_held(verify=True)
+    assert not companion_for(client).room._lines
+
+
+@pytest.mark.parametrize("how", ["asyncio.timeout", "anyio.fail_after"])
+async def test_callers_own_timeout_works(client: Redis, prefix: str, how: str):
+    """11: the caller's asyncio.timeout / anyio.fail_after end a wait, leaving nothing."""
+    async with asynclock.lease(client, "waited", ttl=30, prefix=prefix) as holder:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            if how == "asyncio.timeout":
+                async with asyncio.timeout(0.3):
+                    async with asynclock.lease(client, "waited", ttl=30, prefix=prefix):
+                        pass
+            else:
+                with anyio.fail_after(0.3):
+                    async with asynclock.lease(client, "waited", ttl=30, prefix=prefix):
+                        pass
+        assert time.monotonic() - started < 2.0
+        assert await holder.is_held(verify=True)
+    assert not companion_for(client).room._lines
+
+
+async def test_one_subscription_connection_serves_every_name(
+    client: Redis, make_client: Any, redis_server: Any, prefix: str
+):
+    """11: waiters on three names share one pub/sub connection; all are woken."""
+    holder_client = make_client(redis_server.url)
+    names = ["a", "b", "c"]
+    helds = {n: asyncio.Event() for n in names}
+    release = asyncio.Event()
+    holders = [
+        asyncio.create_task(_hold_until(holder_client, n, prefix, helds[n], release))
+        for n in names
+    ]
+    for event in helds.values():
+        await event.wait()
+    waiters = [
+        asyncio.create_task(_acquire_and_time(client, n, prefix, blocking_timeout=20))
+        for n in names
+    ]
+
+    async def all_subscribed() -> bool:
+        return all([await _subscribed(client, n, prefix) for n in names])
+
+    await wait_until(all_subscribed, what="three subscriptions")
+    observer = make_client(redis_server.url, decode_responses=True)
+    clients = await observer.client_list()
+    mine = [c for c in clients if int(c.get("sub", 0)) > 0 and prefix in str(c)] or [
+        c for c in clients if int(c.get("sub", 0)) == 3
+    ]
+    assert len(mine) == 1, clients
+    released_at = time.monotonic()
+    release.set()
+    await asyncio.gather(*holders)
+    acquired = await asyncio.gather(*waiters)
+    assert max(acquired) - released_at < 1.0
+    assert not companion_for(client).room.open  # closed once nobody waits or holds
+
+
+async def test_broken_subscription_degrades_to_the_pttl_fallback(
+    client: Redis, make_client: Any, redis_server: Any, prefix: str
+):
+    """11: killing the pub/sub connection neither errors nor hangs a waiter."""
+    await client.set(prefix + "{flaky}", "someone", px=1500)
+    waiter = asyncio.create_task(
+        _acquire_and_time(client, "flaky", prefix, blocking_timeout=10)
+    )
+    await wait_until(lambda: _subscribed(client, "flaky", prefix), what="the subscription")
+    observer = make_client(redis_server.url)
+    killed = await observer.client_kill_filter(_type="pubsub")
+    assert killed >= 1
+    started = time.monotonic()
+    acquired_at = await waiter
+    assert acquired_at - started < 1.5 + 1.0
+
+
+async def test_local_waiters_are_served_in_arrival_order(client: Redis, prefix: str):
+    """Waiters of one process queue locally: a release wakes the head, in FIFO order."""
+    order: list[int] = []
+    async with asynclock.lease(client, "fifo", ttl=30, prefix=prefix):
+
+        async def waiter(i: int) -> None:
+            async with asynclock.lease(client, "fifo", ttl=30, prefix=prefix):
+                order.append(i)
+
+        tasks = []
+        for i in range(5):
+            tasks.append(asyncio.create_task(waiter(i)))
+            await wait_until(
+                lambda n=i + 1: _line_length(client, "fifo", prefix, n), what="queueing"
+            )
+    async with asyncio.timeout(10):
+        await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+
+
+async def _line_length(redis: Redis, name: str, prefix: str, n: int) -> bool:
+    line = companion_for(redis).room._lines.get(f"{prefix}{{{name}}}:released")
+    return line is not None and len(line) == n
