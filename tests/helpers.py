@@ -7,8 +7,6 @@ import contextlib
 import math
 import time
 import uuid
-
-import pytest
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -81,17 +79,17 @@ class Monitor:
 
 
 async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0, what: str = "condition"
+    predicate: Callable[[], Awaitable[bool]], limit: float = 5.0, what: str = "condition"
 ) -> None:
-    """Check ``predicate`` until it holds; fail after ``timeout`` seconds.
+    """Check ``predicate`` until it holds; fail after ``limit`` seconds.
 
     For state that changes in another process (a server's client list) where there is
     nothing to await.
     """
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit
     while not await predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {limit}s waiting for {what}")
         await asyncio.sleep(0.01)
 
 
@@ -111,11 +109,3 @@ async def running(coro: Awaitable[Any]) -> AsyncIterator[asyncio.Task[Any]]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-
-
-@pytest.fixture(params=[False, True], ids=["bytes", "str"])
-def client(
-    request: pytest.FixtureRequest, redis_server: Any, make_client: Callable[..., Redis]
-) -> Redis:
-    """A client of ``redis_server``, with ``decode_responses`` False and True."""
-    return make_client(redis_server.url, decode_responses=request.param)

@@ -107,6 +107,6 @@ def test_sync_client_is_a_type_error() -> None:
     import redis
 
     sync_client = redis.Redis(host="127.0.0.1", port=1)
-    with pytest.raises(TypeError, match="redis.asyncio"):
+    with pytest.raises(TypeError, match=r"redis\.asyncio"):
         asynclock.lease(sync_client, "job")  # type: ignore[arg-type]
     sync_client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -53,10 +54,8 @@ def test_cancel_after_any_number_of_loop_steps_leaves_no_key(redis_server: Any, 
         for _ in range(steps):
             await asyncio.sleep(0)
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError, asynclock.LockBusy):
             await task
-        except (asyncio.CancelledError, asynclock.LockBusy):
-            pass
         outcomes["inside" if entered.is_set() else "before"] += 1
         assert await client.get(prefix + "{free}") is None
         assert await client.get(prefix + "{held}") == holder_value

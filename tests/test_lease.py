@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import Monitor, client, commandstat  # noqa: F401
+from helpers import Monitor, commandstat
 from redis.asyncio import Redis
 
 import asynclock
@@ -162,7 +162,8 @@ async def test_key_removed_cancels_body_and_its_tasks(
     assert caught.value.name == "victim"
     assert sorted(cancelled) == ["a", "b", "body", "c"]
     assert detected < ttl / 3 + 0.5, detected
-    assert lock.state is LeaseState.LOST and lock.lost_reason is LossReason.NOT_OWNER
+    assert lock.state is LeaseState.LOST
+    assert lock.lost_reason is LossReason.NOT_OWNER
     assert not await lock.is_held()
     if how == "overwrite":  # release never deletes another holder's key
         assert text(await client.get(lock.key)) == "someone-else"
@@ -226,7 +227,7 @@ async def test_loss_does_not_mask_the_body_exception(client: Redis, prefix: str)
 async def test_loss_is_a_single_lock_lost_not_a_group(client: Redis, prefix: str):
     """8: a loss while several tasks run under the block is one LockLost."""
     with pytest.raises(LockLost) as caught:
-        async with asynclock.lease(client, "group", ttl=0.6, prefix=prefix) as lock:
+        async with asynclock.lease(client, "group", ttl=0.6, prefix=prefix) as lock:  # noqa: SIM117
             async with anyio.create_task_group() as tg:
                 for _ in range(3):
                     tg.start_soon(anyio.sleep_forever)

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import client, commandstat, wait_until  # noqa: F401
+from helpers import commandstat, wait_until
 from redis.asyncio import Redis
 
 import asynclock
@@ -32,12 +32,8 @@ async def test_release_wakes_a_waiter_in_another_client(
     held, release = asyncio.Event(), asyncio.Event()
     holder = asyncio.create_task(_hold_until(holder_client, "job", prefix, held, release))
     await held.wait()
-    waiting = asyncio.create_task(
-        _acquire_and_time(client, "job", prefix, blocking_timeout=20)
-    )
-    await wait_until(
-        lambda: _subscribed(client, "job", prefix), what="the waiter's subscription"
-    )
+    waiting = asyncio.create_task(_acquire_and_time(client, "job", prefix, blocking_timeout=20))
+    await wait_until(lambda: _subscribed(client, "job", prefix), what="the waiter's subscription")
     released_at = time.monotonic()
     release.set()
     await holder
@@ -127,8 +123,7 @@ async def test_one_subscription_connection_serves_every_name(
     helds = {n: asyncio.Event() for n in names}
     release = asyncio.Event()
     holders = [
-        asyncio.create_task(_hold_until(holder_client, n, prefix, helds[n], release))
-        for n in names
+        asyncio.create_task(_hold_until(holder_client, n, prefix, helds[n], release)) for n in names
     ]
     for event in helds.values():
         await event.wait()
@@ -160,9 +155,7 @@ async def test_broken_subscription_degrades_to_the_pttl_fallback(
 ):
     """11: killing the pub/sub connection neither errors nor hangs a waiter."""
     await client.set(prefix + "{flaky}", "someone", px=1500)
-    waiter = asyncio.create_task(
-        _acquire_and_time(client, "flaky", prefix, blocking_timeout=10)
-    )
+    waiter = asyncio.create_task(_acquire_and_time(client, "flaky", prefix, blocking_timeout=10))
     await wait_until(lambda: _subscribed(client, "flaky", prefix), what="the subscription")
     observer = make_client(redis_server.url)
     killed = await observer.client_kill_filter(_type="pubsub")
