@@ -1,0 +1,137 @@
+"""End-to-end tests of ``python -m asynclock demo`` (each run starts its own server)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from asynclock.__main__ import main
+from asynclock.testing import available_engines
+
+ROOT = Path(__file__).resolve().parent.parent
+
+needs_server = pytest.mark.skipif(
+    not available_engines(), reason="no redis-server or valkey-server binary installed"
+)
+
+
+def _demo(*args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "asynclock", "demo", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text`` (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _assert_no_leftovers(lock_name: str, output: str) -> None:
+    if Path("/proc/self/cmdline").exists():
+        deadline = time.monotonic() + 5
+        while _processes_mentioning(lock_name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_mentioning(lock_name) == [], "worker processes outlived the demo"
+    match = re.search(r"server at redis://127\.0\.0\.1:(\d+)/0", output)
+    assert match, output
+    with pytest.raises(ConnectionRefusedError):  # the private server is gone
+        socket.create_connection(("127.0.0.1", int(match[1])), 1).close()
+
+
+@pytest.mark.slow
+@needs_server
+def test_demo_runs_the_whole_scenario() -> None:
+    lock_name = f"demo-test-{uuid.uuid4().hex[:12]}"
+    proc = _demo("--seconds", "12", "--name", lock_name)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    report = f"exit status {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    assert proc.returncode == 0, report
+
+    acquired = re.findall(r"worker-\d+\s+acquired\s+fence (\d+)", out)
+    assert len(acquired) >= 3, report
+    assert re.search(r"worker-\d+\s+renewed\s+\(\d+\.\d+s left\)", out), report
+    kill = re.search(r"demo\s+killing (worker-\d+) \(SIGKILL\) while it holds the lease", out)
+    assert kill, report
+    takeover = re.search(r"(worker-\d+)\s+acquired\s+fence \d+\s+\(took over (\d+\.\d+)s", out)
+    assert takeover, report
+    assert takeover[1] != kill[1], report
+    assert float(takeover[2]) > 0.5, report  # only once the dead holder's key expired
+    assert re.search(r"demo\s+deleting the lease key", out), report
+    assert re.search(r"LockLost\s+reason not_owner: its work was cancelled", out), report
+    assert "fencing tokens  strictly increasing" in out, report
+    assert "the lease key is gone" in out, report
+    assert "OK: everything happened as expected" in out, report
+    assert "Traceback" not in out + err, report
+    _assert_no_leftovers(lock_name, out)
+
+
+@pytest.mark.slow
+@needs_server
+@pytest.mark.skipif(
+    signal.getsignal(signal.SIGINT) is signal.SIG_IGN, reason="SIGINT is ignored here"
+)
+def test_ctrl_c_kills_the_workers_and_the_server() -> None:
+    lock_name = f"demo-test-{uuid.uuid4().hex[:12]}"
+    proc = _demo("--seconds", "30", "--name", lock_name)
+    try:
+        time.sleep(3.0)  # the workers are up and taking turns
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    report = f"exit status {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    assert proc.returncode == 130, report
+    assert "interrupted: the workers were killed" in out, report
+    assert "Traceback" not in out + err, report
+    _assert_no_leftovers(lock_name, out)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--workers", "1"],
+        ["demo", "--ttl", "0"],
+        ["demo", "--ttl", "2", "--seconds", "5"],
+        ["demo", "--seconds", "nan"],
+        ["bogus"],
+        [],
+    ],
+)
+def test_bad_arguments_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
