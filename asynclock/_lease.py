@@ -8,10 +8,8 @@ become ``LOST``). When the lease is lost the scope is cancelled, which cancels t
 and every task it started in task groups under it; ``__aexit__`` then raises ``LockLost``
 unless the body raised an exception of its own, which propagates with a note.
 
-Cancellation at any point of an acquire leaves no key behind: if the attempt may have
-landed, an owner-checked delete that also leaves a tombstone for that attempt's token
-runs (shielded, bounded) before the cancellation propagates. The tombstone makes the
-cleanup safe even if it overtakes the attempt on the way to Redis.
+The release on exit runs shielded from cancellation and bounded by ``release_timeout``
+(see ``_shield.finish``); acquiring is in ``_acquire``.
 """
 
 from __future__ import annotations
@@ -19,35 +17,27 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import random
-import secrets
-from collections.abc import Sequence
 from types import TracebackType
 from typing import Final, final
 
 import anyio
 import anyio.lowlevel
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._acquire import Acquisition
 from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
-from ._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
+from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions, drift_for
-from ._scripts import ABANDON, ACQUIRE, RELEASE, RENEW, Arg, Script
-from ._shield import cancel_dropped, finish
+from ._scripts import RELEASE, RENEW, Arg, run_idempotent
+from ._shield import cancel_dropped, cancelling, finish
 from ._watchdog import watch
 
 __all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
 
 log = logging.getLogger("asynclock")
 
-_DAY_MS: Final = 86_400_000
 _CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
-# Errors after which a command's outcome is unknown (it may or may not have run).
-_UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
 
 class LeaseState(enum.StrEnum):
@@ -179,7 +169,7 @@ class Lease:
             return False
         if not verify:
             return True
-        before = _cancelling()
+        before = cancelling()
         async with asyncio.timeout(self.time_left):
             value = await self._companion.client.get(self.key)
         if cancel_dropped(before):
@@ -199,7 +189,7 @@ class Lease:
         """
         if not self._held_locally():
             raise self._loss_error()
-        before = _cancelling()
+        before = cancelling()
         renewed = await self._renew_once(self.time_left)
         if cancel_dropped(before):
             raise asyncio.CancelledError
@@ -326,10 +316,13 @@ class LeaseContext:
         companion = companion_for(self._redis)
         companion.retain()
         try:
-            held = await _Acquisition(companion, self._options, self._hook).run()
+            grant = await Acquisition(companion, self._options).run()
         except BaseException:
             await _unretain(companion)
             raise
+        held = Lease(
+            self._options, companion, grant.token, grant.fencing_token, grant.t_send, self._hook
+        )
         self._lease = held
         self._scope = anyio.CancelScope()
         self._scope.__enter__()
@@ -353,7 +346,7 @@ class LeaseContext:
             await self._give_back(held)
         finally:
             held._end()
-            held._companion.room.wake(_channel(self._options))
+            held._companion.room.wake(self._options.channel)
             await _unretain(held._companion)
         if held.state is not LeaseState.LOST:
             return swallowed
@@ -398,23 +391,10 @@ async def _release(held: Lease, watchdog: asyncio.Task[None] | None) -> bool:
         await asyncio.wait((watchdog,))
     if held.lost_reason is LossReason.NOT_OWNER:
         return False
-    args: list[Arg] = [held._value, _channel(held._options)]
-    return await _run_twice(held._companion, RELEASE, [held.key], args) == 1
-
-
-async def _run_twice(
-    companion: Companion, script: Script, keys: Sequence[str], args: Sequence[Arg]
-) -> object:
-    """Run an idempotent script on the caller's client, or else once on the side pool.
-
-    The caller's pool may be exhausted (redis-py 8 raises at once) or hold a connection
-    the server closed; the side pool has no retries of its own.
-    """
-    try:
-        return await script(companion.client, keys, args)
-    except _UNKNOWN_OUTCOME as exc:
-        log.debug("asynclock: %s on the caller's client failed (%r), retrying", script.name, exc)
-        return await script(companion.renewer(), keys, args)
+    companion = held._companion
+    args: list[Arg] = [held._value, held._options.channel]
+    reply = await run_idempotent(RELEASE, companion.client, companion.renewer, [held.key], args)
+    return bool(reply == 1)
 
 
 async def _unretain(companion: Companion) -> None:
@@ -427,176 +407,10 @@ async def _unretain(companion: Companion) -> None:
             log.debug("asynclock: closing side connections failed: %r", exc)
 
 
-def _channel(options: LeaseOptions) -> str:
-    return options.key + ":released"
-
-
-def _cancelling() -> int:
-    task = asyncio.current_task()
-    return task.cancelling() if task is not None else 0
-
-
 def _text(value: object) -> str | None:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value if value is None else str(value)
-
-
-class _Acquisition:
-    """One acquire: a single attempt, or the wait in the local line until one succeeds."""
-
-    __slots__ = ("_companion", "_hook", "_loop", "_options", "_token")
-
-    def __init__(self, companion: Companion, options: LeaseOptions, hook: EventHook | None):
-        self._companion = companion
-        self._options = options
-        self._hook = hook
-        self._loop = companion.loop
-        self._token = secrets.token_hex(16)
-
-    async def run(self) -> Lease:
-        options = self._options
-        if options.blocking:
-            return await self._wait()
-        status, value, t_send = await self._attempt()
-        if status != 1:
-            raise LockBusy(options.name, value / 1000 if value >= 0 else None)
-        granted = await self._grant(value, t_send)
-        if granted is None:
-            raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
-        return granted
-
-    async def _wait(self) -> Lease:
-        options = self._options
-        room = self._companion.room
-        channel = _channel(options)
-        timeout = options.blocking_timeout
-        deadline = None if timeout is None else self._loop.time() + timeout
-        waiter = room.join(channel)
-        try:
-            subscribed = False
-            fallback: float | None = None
-            while True:
-                head = room.is_head(channel, waiter)
-                if head and (waiter.event.is_set() or fallback == 0):
-                    waiter.event.clear()
-                    status, value, t_send = await self._attempt()
-                    if status == 1:
-                        granted = await self._grant(value, t_send)
-                        if granted is not None:
-                            return granted
-                        waiter.event.set()
-                        continue
-                    if not subscribed:
-                        subscribed = True
-                        if await room.subscribe(channel):
-                            waiter.event.set()  # subscribed first, now try again
-                            continue
-                    fallback = self._fallback(value)
-                elif not head:
-                    fallback = None
-                wait = fallback
-                if deadline is not None:
-                    left = deadline - self._loop.time()
-                    if left <= 0:
-                        raise AcquireTimeout(options.name, timeout or 0.0)
-                    wait = left if wait is None else min(wait, left)
-                fallback = await _wait_event(waiter.event, wait)
-        finally:
-            room.leave(channel, waiter)
-
-    def _fallback(self, pttl_ms: int) -> float:
-        """Seconds to wait before trying again without a notification."""
-        if pttl_ms < 0:  # a key without expiry (set from outside): look again after a ttl
-            return self._options.ttl
-        pttl = pttl_ms / 1000
-        return pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
-
-    async def _grant(self, fencing_token: int, t_send: float) -> Lease | None:
-        """The lease for a successful attempt, or None if too little validity is left."""
-        granted = Lease(
-            self._options, self._companion, self._token, fencing_token, t_send, self._hook
-        )
-        if granted.time_left >= self._options.ttl / 3:
-            return granted
-        log.warning(
-            "asynclock: acquire of %r took %.3fs of a %.3fs ttl; not handed out",
-            self._options.name,
-            self._loop.time() - t_send,
-            self._options.ttl,
-        )
-        await self._abandon()
-        return None
-
-    async def _attempt(self) -> tuple[int, int, float]:
-        """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
-
-        A connection error or timeout leaves the outcome unknown, so the same script is
-        sent once more with the same token: if the first landed, the retry finds our own
-        key and answers with the same fencing token. If the outcome stays unknown, or the
-        caller is cancelled, the attempt is abandoned (see ``_abandon``) before raising.
-        """
-        options = self._options
-        keys = [options.key, options.key + ":fence", f"{options.key}:void:{self._token}"]
-        args: list[Arg] = [self._token, options.ttl_ms, max(_DAY_MS, 10 * options.ttl_ms)]
-        before = _cancelling()
-        may_have_landed = False
-        while True:
-            t_send = self._loop.time()
-            try:
-                reply = await ACQUIRE(self._companion.client, keys, args)
-                break
-            except _UNKNOWN_OUTCOME:
-                if not may_have_landed:
-                    may_have_landed = True
-                    continue
-                await self._abandon()
-                raise
-            except ResponseError:
-                if may_have_landed:
-                    await self._abandon()
-                raise  # the server refused the script: it wrote nothing
-            except BaseException:
-                await self._abandon()
-                raise
-        status, value = (int(x) for x in reply)  # type: ignore[attr-defined]
-        if cancel_dropped(before):
-            if status == 1:
-                await self._abandon()
-            raise asyncio.CancelledError
-        if status < 0:
-            raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
-        return status, value, t_send
-
-    async def _abandon(self) -> None:
-        """Undo an attempt that may have landed, and stop it from landing later."""
-        options = self._options
-        keys = [options.key, f"{options.key}:void:{self._token}"]
-        args: list[Arg] = [self._token, max(10_000, 3 * options.ttl_ms), _channel(options)]
-        try:
-            await finish(_run_twice(self._companion, ABANDON, keys, args), options.release_timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning(
-                "asynclock: could not undo an abandoned acquire of %r (%r); "
-                "if it landed, its key expires by its TTL",
-                options.name,
-                exc,
-            )
-
-
-async def _wait_event(event: asyncio.Event, limit: float | None) -> float | None:
-    """Wait for ``event`` up to ``limit`` seconds; returns 0 if it timed out, else None."""
-    if limit is None:
-        await event.wait()
-        return None
-    try:
-        async with asyncio.timeout(limit):
-            await event.wait()
-    except TimeoutError:
-        return 0
-    return None
 
 
 def lease(

@@ -69,6 +69,20 @@ class LeaseOptions:
         return f"{self.prefix}{{{self.name}}}"
 
     @property
+    def fence_key(self) -> str:
+        """The key of the lock's fencing counter."""
+        return self.key + ":fence"
+
+    @property
+    def channel(self) -> str:
+        """The pub/sub channel on which releases of the lock are announced."""
+        return self.key + ":released"
+
+    def void_key(self, token: str) -> str:
+        """The tombstone key of an abandoned acquire attempt made with ``token``."""
+        return f"{self.key}:void:{token}"
+
+    @property
     def ttl_ms(self) -> int:
         return max(1, round(self.ttl * 1000))
 

@@ -19,14 +19,31 @@ server has an empty script cache, which is not a lost lease.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["ABANDON", "ACQUIRE", "RELEASE", "RENEW", "Script"]
+__all__ = [
+    "ABANDON",
+    "ACQUIRE",
+    "RELEASE",
+    "RENEW",
+    "UNKNOWN_OUTCOME",
+    "Arg",
+    "Script",
+    "run_idempotent",
+]
+
+log = logging.getLogger("asynclock")
 
 Arg = str | int | float | bytes
+
+UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+"""Errors after which a command's outcome is unknown: it may or may not have run."""
 
 
 class Script:
@@ -45,6 +62,25 @@ class Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await client.eval(self.source, len(keys), *keys, *args)
+
+
+async def run_idempotent(
+    script: Script,
+    client: Redis,
+    fallback: Callable[[], Redis],
+    keys: Sequence[str],
+    args: Sequence[Arg],
+) -> object:
+    """Run an idempotent script on ``client``, or else once more on ``fallback()``.
+
+    The caller's pool may be exhausted (redis-py 8 raises at once) or hand out a
+    connection the server has closed; the fallback is asynclock's own pool.
+    """
+    try:
+        return await script(client, keys, args)
+    except UNKNOWN_OUTCOME as exc:
+        log.debug("asynclock: %s failed on the caller's client (%r), retrying", script.name, exc)
+        return await script(fallback(), keys, args)
 
 
 ACQUIRE = Script(

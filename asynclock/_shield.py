@@ -21,9 +21,15 @@ from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["cancel_dropped", "finish"]
+__all__ = ["cancel_dropped", "cancelling", "finish"]
 
 T = TypeVar("T")
+
+
+def cancelling() -> int:
+    """The current task's count of pending cancellation requests (0 outside a task)."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
 
 
 def cancel_dropped(cancelling_before: int) -> bool:

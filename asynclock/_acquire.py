@@ -1,0 +1,211 @@
+"""Acquiring a lock: one attempt, or a wait in the local line until one succeeds.
+
+Design note. An attempt is one round trip (the ACQUIRE script). Its outcome is unknown
+after a connection error or timeout, so it is sent once more with the same token: if
+the first landed, the retry finds our own key and answers with the same fencing token.
+If the outcome stays unknown, or the caller is cancelled (even by a cancellation that
+redis-py's internal ``wait_for`` swallowed), the attempt is abandoned before the error
+propagates: the ABANDON script deletes the key if that attempt set it and leaves a
+tombstone for its token, which the ACQUIRE script honours, so the cleanup is safe even
+if it overtakes the attempt on the way to Redis.
+
+Blocking waits queue in the client's ``WaitingRoom`` (see ``_wakeup``): the head of the
+line tries, subscribes to the release channel after a failed first try and tries again
+(so no release slips between the two), then sleeps until woken by a release or until
+the holder's key would expire (PTTL plus jitter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from typing import Final, NamedTuple
+
+from redis.exceptions import ResponseError
+
+from ._connections import Companion
+from ._exceptions import AcquireTimeout, LockBusy
+from ._options import LeaseOptions, drift_for
+from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
+from ._shield import cancel_dropped, cancelling, finish
+
+__all__ = ["Acquisition", "Grant"]
+
+log = logging.getLogger("asynclock")
+
+_DAY_MS: Final = 86_400_000
+
+
+class Grant(NamedTuple):
+    """A successful acquire: our token, the fencing token minted, and ``t_send``."""
+
+    token: str
+    fencing_token: int
+    t_send: float
+
+
+class Acquisition:
+    """One acquire: a single attempt, or the wait in the local line until one succeeds."""
+
+    __slots__ = ("_companion", "_loop", "_options", "_token")
+
+    def __init__(self, companion: Companion, options: LeaseOptions) -> None:
+        self._companion = companion
+        self._options = options
+        self._loop = companion.loop
+        self._token = secrets.token_hex(16)
+
+    async def run(self) -> Grant:
+        """Acquire, by one attempt or by waiting in line, as the options say.
+
+        Raises:
+            LockBusy: ``blocking=False`` and another owner holds the lock.
+            AcquireTimeout: ``blocking_timeout`` passed, or (non-blocking) Redis answered
+                so late that too little of the TTL was left to hand the lease out.
+            redis.exceptions.RedisError: Redis refused or stayed unreachable.
+        """
+        options = self._options
+        if options.blocking:
+            return await self._wait()
+        status, value, t_send = await self._attempt()
+        if status != 1:
+            raise LockBusy(options.name, value / 1000 if value >= 0 else None)
+        granted = await self._grant(value, t_send)
+        if granted is None:
+            raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
+        return granted
+
+    async def _wait(self) -> Grant:
+        options = self._options
+        room = self._companion.room
+        channel = options.channel
+        timeout = options.blocking_timeout
+        deadline = None if timeout is None else self._loop.time() + timeout
+        waiter = room.join(channel)
+        try:
+            subscribed = False
+            fallback: float | None = None
+            while True:
+                head = room.is_head(channel, waiter)
+                if head and (waiter.event.is_set() or fallback == 0):
+                    waiter.event.clear()
+                    status, value, t_send = await self._attempt()
+                    if status == 1:
+                        granted = await self._grant(value, t_send)
+                        if granted is not None:
+                            return granted
+                        waiter.event.set()
+                        continue
+                    if not subscribed:
+                        subscribed = True
+                        if await room.subscribe(channel):
+                            waiter.event.set()  # subscribed first, now try again
+                            continue
+                    fallback = self._fallback(value)
+                elif not head:
+                    fallback = None
+                wait = fallback
+                if deadline is not None:
+                    left = deadline - self._loop.time()
+                    if left <= 0:
+                        raise AcquireTimeout(options.name, timeout or 0.0)
+                    wait = left if wait is None else min(wait, left)
+                fallback = await _wait_event(waiter.event, wait)
+        finally:
+            room.leave(channel, waiter)
+
+    def _fallback(self, pttl_ms: int) -> float:
+        """Seconds to wait before trying again without a notification."""
+        if pttl_ms < 0:  # a key without expiry (set from outside): look again after a ttl
+            return self._options.ttl
+        pttl = pttl_ms / 1000
+        return pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
+
+    async def _grant(self, fencing_token: int, t_send: float) -> Grant | None:
+        """The grant of a successful attempt, or None if too little validity is left."""
+        ttl = self._options.ttl
+        left = t_send + ttl - drift_for(ttl) - self._loop.time()
+        if left >= ttl / 3:
+            return Grant(self._token, fencing_token, t_send)
+        log.warning(
+            "asynclock: acquire of %r took %.3fs of a %.3fs ttl; not handed out",
+            self._options.name,
+            self._loop.time() - t_send,
+            ttl,
+        )
+        await self._abandon()
+        return None
+
+    async def _attempt(self) -> tuple[int, int, float]:
+        """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
+
+        A connection error or timeout leaves the outcome unknown, so the same script is
+        sent once more with the same token: if the first landed, the retry finds our own
+        key and answers with the same fencing token. If the outcome stays unknown, or the
+        caller is cancelled, the attempt is abandoned (see ``_abandon``) before raising.
+        """
+        options = self._options
+        keys = [options.key, options.fence_key, options.void_key(self._token)]
+        args: list[Arg] = [self._token, options.ttl_ms, max(_DAY_MS, 10 * options.ttl_ms)]
+        before = cancelling()
+        may_have_landed = False
+        while True:
+            t_send = self._loop.time()
+            try:
+                reply = await ACQUIRE(self._companion.client, keys, args)
+                break
+            except UNKNOWN_OUTCOME:
+                if not may_have_landed:
+                    may_have_landed = True
+                    continue
+                await self._abandon()
+                raise
+            except ResponseError:
+                if may_have_landed:
+                    await self._abandon()
+                raise  # the server refused the script: it wrote nothing
+            except BaseException:
+                await self._abandon()
+                raise
+        status, value = (int(x) for x in reply)  # type: ignore[attr-defined]
+        if cancel_dropped(before):
+            if status == 1:
+                await self._abandon()
+            raise asyncio.CancelledError
+        if status < 0:
+            raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        return status, value, t_send
+
+    async def _abandon(self) -> None:
+        """Undo an attempt that may have landed, and stop it from landing later."""
+        options = self._options
+        keys = [options.key, options.void_key(self._token)]
+        args: list[Arg] = [self._token, max(10_000, 3 * options.ttl_ms), options.channel]
+        companion = self._companion
+        undo = run_idempotent(ABANDON, companion.client, companion.renewer, keys, args)
+        try:
+            await finish(undo, options.release_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "asynclock: could not undo an abandoned acquire of %r (%r); "
+                "if it landed, its key expires by its TTL",
+                options.name,
+                exc,
+            )
+
+
+async def _wait_event(event: asyncio.Event, limit: float | None) -> float | None:
+    """Wait for ``event`` up to ``limit`` seconds; returns 0 if it timed out, else None."""
+    if limit is None:
+        await event.wait()
+        return None
+    try:
+        async with asyncio.timeout(limit):
+            await event.wait()
+    except TimeoutError:
+        return 0
+    return None
