@@ -23,7 +23,7 @@ import random
 import secrets
 from typing import Final, NamedTuple
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
@@ -162,9 +162,15 @@ class Acquisition:
                     continue
                 await self._abandon()
                 raise
-            except ResponseError:
+            except ResponseError as exc:
                 if may_have_landed:
                     await self._abandon()
+                if isinstance(exc, OutOfMemoryError):
+                    exc.add_note(
+                        f"asynclock: cannot acquire {options.name!r}: Redis is out of memory "
+                        "(maxmemory reached under noeviction); leases already held keep "
+                        "renewing, new ones cannot be written"
+                    )
                 raise  # the server refused the script: it wrote nothing
             except BaseException:
                 await self._abandon()

@@ -15,6 +15,8 @@ so nothing is left open when the application closes its client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import weakref
 from typing import Any
 
@@ -22,10 +24,13 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from ._wakeup import WaitingRoom
 
 __all__ = ["Companion", "companion_for", "connection_settings"]
+
+log = logging.getLogger("asynclock")
 
 # Entries of ``ConnectionPool.connection_kwargs`` that are pool machinery, not settings.
 _NOT_SETTINGS = frozenset(
@@ -68,6 +73,7 @@ class Companion:
         self.room = WaitingRoom(self.connection_class, self.settings)
         self._renewer: Redis | None = None
         self._users = 0
+        self._eviction_check: asyncio.Task[None] | None = None
 
     @property
     def in_use(self) -> bool:
@@ -80,7 +86,9 @@ class Companion:
     def unretain(self) -> bool:
         """Count one less; True when nothing uses it any more and it should be closed."""
         self._users -= 1
-        return self._users == 0 and (self._renewer is not None or self.room.open)
+        check = self._eviction_check
+        checking = check is not None and not check.done()
+        return self._users == 0 and (self._renewer is not None or self.room.open or checking)
 
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""
@@ -91,14 +99,52 @@ class Companion:
             self._renewer = Redis.from_pool(pool)
         return self._renewer
 
+    def check_eviction_once(self) -> None:
+        """Warn once per client if the server may evict lock keys (in the background).
+
+        Under any ``maxmemory-policy`` but ``noeviction`` (with ``maxmemory`` set), Redis
+        may delete a held lease's key to free memory, and another client can then take
+        the lock. Skipped quietly where ``CONFIG`` is not allowed or fails.
+        """
+        if self._eviction_check is None:
+            self._eviction_check = self.loop.create_task(
+                _warn_if_evicting(self.client), name="asynclock-eviction-check"
+            )
+
     async def aclose_if_idle(self) -> None:
         """Close the dedicated connections unless a lease or waiter came back meanwhile."""
         if self._users:
             return
+        check = self._eviction_check
+        if check is not None and not check.done():
+            check.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await check
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
             await renewer.aclose()
         await self.room.aclose()
+
+
+async def _warn_if_evicting(client: Redis) -> None:
+    try:
+        async with asyncio.timeout(2.0):
+            config = await client.config_get("maxmemory*")
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.debug("asynclock: could not read the eviction policy: %r", exc)
+        return
+    settings = {_text(k): _text(v) for k, v in config.items()}
+    policy = settings.get("maxmemory-policy", "noeviction")
+    if policy != "noeviction" and settings.get("maxmemory", "0") not in ("0", ""):
+        log.warning(
+            "asynclock: this Redis runs with maxmemory-policy %s, so it may evict lock keys "
+            "under memory pressure and let two holders overlap; use noeviction for locks",
+            policy,
+        )
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 _companions: weakref.WeakKeyDictionary[Redis, Companion] = weakref.WeakKeyDictionary()

@@ -31,7 +31,7 @@ from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions, drift_for
 from ._scripts import RELEASE, RENEW, Arg, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
-from ._watchdog import watch
+from ._watchdog import report_stall, watch
 
 __all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
 
@@ -234,8 +234,14 @@ class Lease:
 
     def _on_deadline(self) -> None:
         self._timer = None
-        if self._state in _ACTIVE and self._loop.time() >= self._safe_until:
-            self._lose(LossReason.DEADLINE, self._lost_cause)
+        if self._state not in _ACTIVE:
+            return
+        now = self._loop.time()
+        if now < self._safe_until - 0.001:  # fired early (never expected): wait again
+            self._arm()
+            return
+        report_stall(self, self._safe_until, now, "the deadline")
+        self._lose(LossReason.DEADLINE, self._lost_cause)
 
     async def _renew_once(self, limit: float) -> bool:
         """One renewal attempt of at most ``limit`` seconds.
@@ -315,6 +321,7 @@ class LeaseContext:
         self._entered = True
         companion = companion_for(self._redis)
         companion.retain()
+        companion.check_eviction_once()
         try:
             grant = await Acquisition(companion, self._options).run()
         except BaseException:

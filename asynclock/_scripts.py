@@ -148,16 +148,19 @@ ABANDON = Script(
     """
 -- KEYS[1] lease key, KEYS[2] the attempt's tombstone
 -- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel
--- Leaves a tombstone so the abandoned attempt, should it reach Redis after this script,
--- sets nothing; deletes the key if the attempt already landed. Returns 1 if it deleted.
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+-- Deletes the key if the abandoned attempt already landed, and leaves a tombstone so
+-- that the attempt, should it reach Redis after this script, sets nothing.
+-- Returns 1 if it deleted. Under maxmemory the tombstone may be refused (pcall): an
+-- attempt arriving later would then be refused by the same limit.
 local current = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ':'
+local deleted = 0
 if current and string.sub(current, 1, #mine) == mine then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[3], '')
-  return 1
+  deleted = 1
 end
-return 0
+redis.pcall('SET', KEYS[2], '1', 'PX', ARGV[2])
+return deleted
 """,
 )

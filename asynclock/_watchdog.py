@@ -21,6 +21,7 @@ leaves the outcome unknown: the lease turns SUSPECT and the deadline does not mo
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,28 @@ from ._exceptions import LossReason
 if TYPE_CHECKING:
     from ._lease import Lease
 
-__all__ = ["watch"]
+__all__ = ["report_stall", "watch"]
+
+log = logging.getLogger("asynclock")
+
+
+def report_stall(lease: Lease, due: float, now: float, what: str) -> None:
+    """Log a warning if a timer of ``lease`` ran much later than ``due`` (loop times).
+
+    Lateness means the event loop (or the whole process) was stalled: a blocking call in
+    a coroutine, a long CPU-bound stretch, a GC pause, SIGSTOP. Code that does not await
+    cannot be cancelled, so the guarded work may have run past the lease's deadline.
+    """
+    late = now - due
+    if late > max(0.1, lease.ttl / 6):
+        log.warning(
+            "asynclock: event loop stall of %.3fs detected (%s of lease %r ran late); "
+            "nothing that does not await can be interrupted, so the guarded work may have "
+            "overlapped another holder: rely on the fencing token",
+            late,
+            what,
+            lease.name,
+        )
 
 
 async def watch(lease: Lease) -> None:
@@ -39,9 +61,11 @@ async def watch(lease: Lease) -> None:
     loop = asyncio.get_running_loop()
     try:
         while lease._active:
-            delay = lease._last_send + lease.ttl / 3 - loop.time()
+            due = lease._last_send + lease.ttl / 3
+            delay = due - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+                report_stall(lease, due, loop.time(), "the renewal")
             backoff = min(lease.ttl / 30, 0.05)
             while lease._active:
                 remaining = lease.safe_until - loop.time()
