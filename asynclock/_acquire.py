@@ -136,6 +136,7 @@ class Acquisition:
             ttl,
         )
         await self._abandon()
+        self._token = secrets.token_hex(16)  # the old one is tombstoned; try afresh
         return None
 
     async def _attempt(self) -> tuple[int, int, float]:

@@ -49,13 +49,18 @@ _NOT_SETTINGS = frozenset(
 
 
 def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
-    """The connection class and the plain connection settings of ``client``'s pool."""
+    """The connection class and settings for asynclock's own connections to ``client``'s
+    server: the pool's plain connection settings, never its internal objects."""
     pool = client.connection_pool
     settings = {
         key: value
         for key, value in pool.connection_kwargs.items()
         if key not in _NOT_SETTINGS and not key.startswith("orig_")
     }
+    # RESP2 and no CLIENT SETINFO: a new side connection needs no handshake round trips
+    # (beyond AUTH/SELECT if configured), so reconnecting fits in a renewal's budget
+    # even on a slow network. Our scripts' replies read the same in RESP2 and RESP3.
+    settings.update(protocol=2, driver_info=None)
     return pool.connection_class, settings
 
 

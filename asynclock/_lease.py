@@ -29,7 +29,7 @@ from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions, drift_for
-from ._scripts import RELEASE, RENEW, Arg, run_idempotent
+from ._scripts import RELEASE, RENEW, Arg, Script, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
 from ._watchdog import report_stall, watch
 
@@ -38,6 +38,7 @@ __all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
 log = logging.getLogger("asynclock")
 
 _CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
+_GET: Final = Script("get", "return redis.call('GET', KEYS[1])")
 
 
 class LeaseState(enum.StrEnum):
@@ -170,8 +171,9 @@ class Lease:
         if not verify:
             return True
         before = cancelling()
+        companion = self._companion
         async with asyncio.timeout(self.time_left):
-            value = await self._companion.client.get(self.key)
+            value = await run_idempotent(_GET, companion.client, companion.renewer, [self.key], [])
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if _text(value) != self._value:

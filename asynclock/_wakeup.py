@@ -47,12 +47,7 @@ class WaitingRoom:
     def __init__(self, connection_class: type[Any], settings: dict[str, Any]) -> None:
         self._connection_class = connection_class
         # The listener reads RESP2 bytes and blocks without a socket timeout.
-        self._settings = {
-            **settings,
-            "decode_responses": False,
-            "protocol": 2,
-            "socket_timeout": None,
-        }
+        self._settings = {**settings, "decode_responses": False, "socket_timeout": None}
         self._lines: dict[str, deque[Waiter]] = {}
         self._connection: Any = None
         self._reader: asyncio.Task[None] | None = None

@@ -30,6 +30,8 @@ from asynclock.testing import (
     server_version,
 )
 
+pytest_plugins = ["figures"]
+
 
 def _docker_answers() -> bool:
     """True when a Docker engine answers a ping within a few seconds."""

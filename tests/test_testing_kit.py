@@ -149,7 +149,7 @@ def test_start_failure_reports_log_tail() -> None:
 def test_start_retries_on_a_fresh_port_when_the_port_is_taken(
     private_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asynclock.testing as kit
+    import asynclock.testing._servers as kit
 
     taken = private_server.port  # held by another server that answers PING
     ports = iter([taken, kit._free_port()])
