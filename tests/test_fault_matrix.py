@@ -516,3 +516,139 @@ async def test_cancellation_latency_after_the_deadline(
     figures.add(
         "cancellation latency", f"deadline -> body stopped p50 {p50:.2f} ms, p99 {p99:.2f} ms"
     )
+
+
+# -- no fault, many workers -------------------------------------------------------------
+
+
+async def test_no_fault_eight_workers_two_hundred_rounds(
+    redis_server: Any, make_client: Any, prefix: str, tmp_path: Any
+):
+    """No fault, 8 workers x 200 rounds (two clients, so waking crosses pub/sub too): no
+    overlap, strictly increasing fences, an exact counter, no LockLost, no key left."""
+    from asynclock.testing import (
+        FencedStore,
+        History,
+        check_counter,
+        check_fenced_writes,
+        check_fencing,
+        check_no_overlap,
+        keys_left,
+    )
+
+    history = History()
+    store = FencedStore(tmp_path / "fenced.db")
+    clients = [make_client(redis_server.url), make_client(redis_server.url)]
+    rounds = 200
+
+    async def worker(n: int) -> None:
+        redis = clients[n % 2]
+        for _ in range(rounds):
+            async with asynclock.lease(
+                redis, "counter", ttl=1.0, prefix=prefix, on_event=history.on_event
+            ) as lock:
+                with history.guard_lease(lock, f"w{n}"):
+                    assert await lock.is_held()
+                    assert await store.increment("counter", fencing_token=lock.fencing_token)
+
+    try:
+        async with asyncio.timeout(120):
+            await asyncio.gather(*(worker(n) for n in range(8)))
+        intervals = history.intervals
+        assert len(intervals) == 8 * rounds
+        assert not check_no_overlap(intervals)
+        assert not check_fencing(intervals)
+        assert not check_counter(8 * rounds, store.read_int("counter"))
+        assert not check_fenced_writes(store)
+        assert not history.losses
+        assert await keys_left(clients[0], prefix) == []
+    finally:
+        store.close()
+
+
+# -- the holder process paused ----------------------------------------------------------
+
+_PAUSED_HOLDER = """
+import asyncio, sys, time
+from redis.asyncio import Redis
+import asynclock
+from asynclock.testing import FencedStore
+
+async def main(url, prefix, db):
+    store = FencedStore(db)
+    redis = Redis.from_url(url)
+    lock = None
+    try:
+        async with asynclock.lease(redis, "job", ttl=0.6, prefix=prefix) as lock:
+            print("held", lock.fencing_token, flush=True)
+            while True:
+                if not await lock.is_held():
+                    print("stopped-before-effect", time.monotonic(), flush=True)
+                    await asyncio.sleep(3600)  # the loss cancels us here
+                store.write("resource", "holder", lock.fencing_token, holder="paused")
+                print("wrote", time.monotonic(), flush=True)
+                await asyncio.sleep(0.02)
+    except asynclock.LockLost as lost:
+        print("LockLost", lost.reason.value, time.monotonic(), flush=True)
+    stale = store.write("resource", "stale", lock.fencing_token, holder="paused")
+    print("stale-write-accepted", stale, flush=True)
+    await redis.aclose()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_paused_holder_process_is_fenced_off(
+    redis_server: Any, make_client: Any, prefix: str, tmp_path: Any
+):
+    """The holder process is SIGSTOPped for 2.5 x ttl: a rival takes over (overlap is
+    allowed), the fenced resource accepts no stale write, and on resume the holder stops
+    before its next effect and raises LockLost."""
+    import os
+    import signal
+    import sys
+
+    from asynclock.testing import FencedStore, check_fenced_writes
+
+    ttl = 0.6
+    db = tmp_path / "fenced.db"
+    store = FencedStore(db)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _PAUSED_HOLDER,
+        redis_server.url,
+        prefix,
+        str(db),
+        stdout=asyncio.subprocess.PIPE,
+        cwd=os.getcwd(),
+    )
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            first = (await child.stdout.readline()).split()
+            assert first[0] == b"held"
+            holder_fence = int(first[1])
+            await child.stdout.readline()  # it has written once
+            child.send_signal(signal.SIGSTOP)
+            rival = make_client(redis_server.url)
+            async with asynclock.lease(rival, "job", ttl=ttl, prefix=prefix) as lock:
+                assert lock.fencing_token > holder_fence
+                assert store.write("resource", "rival", lock.fencing_token, holder="rival")
+                await asyncio.sleep(2.5 * ttl)  # the pause (a fault's length, not a wait)
+                resumed_at = time.monotonic()
+                child.send_signal(signal.SIGCONT)
+                lines = [line.split() for line in (await child.stdout.read()).splitlines()]
+        await child.wait()
+        writes_after = [float(w[1]) for w in lines if w[0] == b"wrote" and float(w[1]) > resumed_at]
+        assert writes_after == []  # no effect after resuming
+        assert [b"LockLost", b"deadline"] == [w[:2] for w in lines if w[0] == b"LockLost"][0]
+        assert [b"stale-write-accepted", b"False"] in lines
+        assert store.read("resource") == "rival"
+        assert not check_fenced_writes(store)
+    finally:
+        if child.returncode is None:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            await child.wait()
+        store.close()
