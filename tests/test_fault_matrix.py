@@ -642,7 +642,8 @@ async def test_paused_holder_process_is_fenced_off(
         await child.wait()
         writes_after = [float(w[1]) for w in lines if w[0] == b"wrote" and float(w[1]) > resumed_at]
         assert writes_after == []  # no effect after resuming
-        assert [b"LockLost", b"deadline"] == [w[:2] for w in lines if w[0] == b"LockLost"][0]
+        losses = [w[:2] for w in lines if w[0] == b"LockLost"]
+        assert losses == [[b"LockLost", b"deadline"]]
         assert [b"stale-write-accepted", b"False"] in lines
         assert store.read("resource") == "rival"
         assert not check_fenced_writes(store)
