@@ -27,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ._wakeup import WaitingRoom
+from ._watchdog import Watchdog
 
 __all__ = ["Companion", "companion_for", "connection_settings"]
 
@@ -69,7 +70,7 @@ def _no_retry() -> Retry:
 
 
 class Companion:
-    """Per-client, per-loop state: the renewal pool and the waiting room."""
+    """Per-client, per-loop state: the renewal pool, the watchdog and the waiting room."""
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
@@ -77,6 +78,7 @@ class Companion:
         self.connection_class, self.settings = connection_settings(client)
         self.room = WaitingRoom(self.connection_class, self.settings)
         self._renewer: Redis | None = None
+        self.watchdog = Watchdog(loop, self.renewer)
         self._users = 0
         self._eviction_check: asyncio.Task[None] | None = None
 
@@ -93,7 +95,8 @@ class Companion:
         self._users -= 1
         check = self._eviction_check
         checking = check is not None and not check.done()
-        return self._users == 0 and (self._renewer is not None or self.room.open or checking)
+        busy = self._renewer is not None or self.room.open or self.watchdog.running or checking
+        return self._users == 0 and busy
 
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""
@@ -125,6 +128,7 @@ class Companion:
             check.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await check
+        await self.watchdog.aclose()
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
             await renewer.aclose()

@@ -31,7 +31,7 @@ from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions, drift_for
 from ._scripts import RELEASE, RENEW, Arg, Script, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
-from ._watchdog import report_stall, watch
+from ._watchdog import report_stall
 
 __all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
 
@@ -69,20 +69,22 @@ class Lease:
     """
 
     __slots__ = (
+        "_backoff",
         "_closing",
         "_companion",
+        "_due",
         "_hook",
         "_last_send",
         "_loop",
         "_lost_cause",
         "_lost_reason",
         "_options",
+        "_renew_args",
         "_safe_until",
         "_scope",
         "_state",
         "_timer",
         "_value",
-        "_watchdog",
         "fencing_token",
         "token",
     )
@@ -112,7 +114,9 @@ class Lease:
         self._lost_cause: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        self._due: float | None = None  # when the watchdog renews next (loop time)
+        self._backoff: float | None = None  # seconds before the next retry while SUSPECT
+        self._renew_args: Final = (self._value, options.ttl_ms)
         self._closing = False
 
     # -- what the holder sees -----------------------------------------------------------
@@ -224,10 +228,10 @@ class Lease:
             emit(self._hook, event)
 
     def _start(self, scope: anyio.CancelScope) -> None:
-        """Arm the deadline timer and start the watchdog (no await: nothing can interleave)."""
+        """Arm the deadline timer and schedule the first renewal (no await in between)."""
         self._scope = scope
         self._arm()
-        self._watchdog = self._loop.create_task(watch(self), name=f"asynclock-watchdog {self.name}")
+        self._companion.watchdog.schedule(self, self._last_send + self.ttl / 3)
 
     def _arm(self) -> None:
         if self._timer is not None:
@@ -236,8 +240,8 @@ class Lease:
 
     def _on_deadline(self) -> None:
         self._timer = None
-        if self._state not in _ACTIVE:
-            return
+        if self._state not in _ACTIVE or self._closing:
+            return  # ended, or the block finished in time and is being released
         now = self._loop.time()
         if now < self._safe_until - 0.001:  # fired early (never expected): wait again
             self._arm()
@@ -254,7 +258,7 @@ class Lease:
         client = self._companion.renewer()
         t_send = self._loop.time()
         async with asyncio.timeout(limit):
-            reply = await RENEW(client, [self.key], [self._value, self._options.ttl_ms])
+            reply = await RENEW(client, [self.key], self._renew_args)
         if reply != 1:
             self._lose(LossReason.NOT_OWNER)
             return False
@@ -275,6 +279,13 @@ class Lease:
         self._lost_cause = None
         self._event(LeaseEventKind.RENEWED)
         return True
+
+    def _renewal_refused(self) -> None:
+        self._lose(LossReason.NOT_OWNER)
+
+    def _fail(self, cause: BaseException) -> None:
+        log.error("asynclock: the watchdog of %r failed", self.name, exc_info=cause)
+        self._lose(LossReason.WATCHDOG_FAILED, cause)
 
     def _suspect(self, cause: BaseException) -> None:
         if self._state in _ACTIVE:
@@ -370,15 +381,17 @@ class LeaseContext:
         return False
 
     async def _give_back(self, held: Lease) -> None:
-        """Stop the watchdog and release the key (shielded, within release_timeout)."""
+        """Stop renewing and release the key (shielded, within release_timeout).
+
+        A renewal of this lease may still be in flight in a batch with other leases'; it
+        is not waited for: the renew script is owner-checked, so landing after the
+        release it changes nothing, and its reply is ignored once the lease is closing.
+        """
         held._closing = True
-        watchdog = held._watchdog
-        if watchdog is not None and not watchdog.done():
-            watchdog.cancel()
-        elif held.lost_reason is LossReason.NOT_OWNER:
-            return  # nothing in flight, and the key is known not to be ours
+        if held.lost_reason is LossReason.NOT_OWNER:
+            return  # the key is known not to be ours
         try:
-            released = await finish(_release(held, watchdog), self._options.release_timeout)
+            released = await finish(_release(held), self._options.release_timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -395,11 +408,7 @@ class LeaseContext:
             held._lose(LossReason.NOT_OWNER)  # the key vanished without the watchdog noticing
 
 
-async def _release(held: Lease, watchdog: asyncio.Task[None] | None) -> bool:
-    if watchdog is not None and not watchdog.done():
-        await asyncio.wait((watchdog,))
-    if held.lost_reason is LossReason.NOT_OWNER:
-        return False
+async def _release(held: Lease) -> bool:
     companion = held._companion
     args: list[Arg] = [held._value, held._options.channel]
     reply = await run_idempotent(RELEASE, companion.client, companion.renewer, [held.key], args)

@@ -159,3 +159,64 @@ async def test_exhausted_pool_does_not_starve_renewals(
     assert lock.state is LeaseState.RELEASED  # released through the side connection
     observer = make_client(redis_server.url)
     assert await observer.exists(key) == 0
+
+
+async def test_many_leases_renew_in_pipelines(private_server: RedisServer, prefix: str):
+    """300 leases of one client renew without loss, their renewals coalesced into a few
+    pipelines per tick (the server reads far fewer times than it renews)."""
+    client = Redis.from_url(private_server.url, max_connections=400)
+    observer = Redis.from_url(private_server.url)
+    renewals = 0
+    losses = 0
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        nonlocal renewals, losses
+        renewals += event.kind is LeaseEventKind.RENEWED
+        losses += event.kind is LeaseEventKind.LOST
+
+    entered = 0
+    all_in = asyncio.Event()
+    done = asyncio.Event()
+
+    async def hold(i: int) -> None:
+        nonlocal entered
+        async with asynclock.lease(client, f"n{i}", ttl=0.6, prefix=prefix, on_event=on_event):
+            entered += 1
+            if entered == 300:
+                all_in.set()
+            await done.wait()
+
+    try:
+        tasks = [asyncio.create_task(hold(i)) for i in range(300)]
+        await all_in.wait()
+        reads_before = int((await observer.info("stats"))["total_reads_processed"])
+        renewals_before = renewals
+        await asyncio.sleep(2.0)  # the holding period under test
+        reads = int((await observer.info("stats"))["total_reads_processed"]) - reads_before
+        renewed = renewals - renewals_before
+        done.set()
+        await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
+        await observer.aclose()
+    assert losses == 0
+    assert renewed >= 300 * 8  # every 0.2 s for 2 s
+    assert reads < renewed / 10, (reads, renewed)
+
+
+async def test_a_watchdog_bug_is_a_loss_not_silence(
+    redis: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A watchdog that dies of a bug ends the lease (watchdog_failed) instead of leaving
+    it unrenewed while the body runs on."""
+    from asynclock._watchdog import Watchdog
+
+    async def broken(self: Watchdog, batch: Any) -> Any:
+        raise RuntimeError("a bug in the watchdog")
+
+    monkeypatch.setattr(Watchdog, "_send", broken)
+    with pytest.raises(LockLost) as caught:
+        async with asynclock.lease(redis, "buggy", ttl=0.3, prefix=prefix):
+            await anyio.sleep_forever()
+    assert caught.value.reason is LossReason.WATCHDOG_FAILED
+    assert isinstance(caught.value.__cause__, RuntimeError)
