@@ -30,7 +30,7 @@ from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions, drift_for
 from ._scripts import RELEASE, RENEW, Arg, Script, run_idempotent
-from ._shield import cancel_dropped, cancelling, finish
+from ._shield import cancel_dropped, cancelling, finish, finish_idempotent
 from ._watchdog import report_stall
 
 __all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
@@ -391,7 +391,9 @@ class LeaseContext:
         if held.lost_reason is LossReason.NOT_OWNER:
             return  # the key is known not to be ours
         try:
-            released = await finish(_release(held), self._options.release_timeout)
+            released = await finish_idempotent(
+                lambda: _release(held), self._options.release_timeout
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -1,0 +1,476 @@
+"""The nemesis: a seeded schedule of faults, and the code that injects and heals them.
+
+Design note. The schedule is computed up front by :func:`make_schedule` from the seed, the
+run's length and the TTL alone, with one ``random.Random(seed)``: the same arguments give
+the same faults (kind, variant, offset, duration, parameters) on every machine, so a
+failing seed replays the same *attack*. What the system under test does in between is not
+replayed: the workers' own random choices are seeded too, but which worker holds which
+lock at a given instant depends on the operating system's scheduling. Where a fault needs
+a target that only exists at run time (the holder to ``SIGSTOP``, the connections to
+kill), the schedule holds a number ``pick`` in [0, 1) and the target is chosen from the
+candidates, sorted, by that number.
+
+Kinds are drawn from a bag holding each kind once (shuffled, refilled when empty), so
+every run of a few bags' length sees every kind. Faults never overlap: each one is healed
+before a gap of 1 to 2 TTLs, then the next starts; the first waits for a warm-up of 2
+TTLs and the last ends 1.5 TTLs before the run does, so the system is calm at the end.
+Durations and amounts are in multiples of the TTL, so the schedule scales with it:
+
+* ``delay``: the proxy delays every chunk both ways, ``within`` the renewal budget
+  (0.03-0.1 TTL each way, so a round trip stays far below the TTL/3 renewal period) or
+  ``beyond`` it (0.4-0.9 TTL each way: a round trip eats more than the two thirds of the
+  TTL a renewal has to be confirmed in), for 2-4 TTLs.
+* ``blackhole``: the proxy drops everything (``both`` ways, or only ``upstream`` or only
+  ``downstream``) for 1.2-2.5 TTLs; healing resets every proxied connection, since those
+  that lost bytes are out of step.
+* ``reset``: every proxied connection is reset (RST); in the ``refuse`` variant new
+  connections are also refused for 0.1-0.6 TTL.
+* ``stall``: the server stops answering for 1.2-2.5 TTLs, by ``SIGSTOP`` or by
+  ``DEBUG SLEEP``.
+* ``client_kill``: ``CLIENT KILL`` on the server of ``all`` client connections (the
+  proxy's upstream ones) or of ``some`` (30-70 %, chosen by ``pick``).
+* ``flush``: ``FLUSHALL``: every lease key (and fencing counter) is lost.
+* ``restart``: ``SIGKILL`` of the server and a restart on the same port without
+  persistence, after 0-0.75 TTL down: everything is lost.
+* ``holder_stop``: a worker process that holds a lock (as its last report says) is
+  stopped with ``SIGSTOP`` for 2.5 TTLs; a :class:`~asynclock.testing.Pause` is recorded
+  for it in the shared history.
+
+``flush`` and ``restart`` are *data-loss* faults: the lease of a holder can be gone
+before the holder can know it, so its guarded work may overlap the next holder's until
+its next renewal; the checks excuse exactly that (see ``_summary``).
+
+All times are seconds; offsets are from the start of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import math
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from asynclock.testing import FaultProxy, History, ProxyMode, RedisServer
+
+__all__ = [
+    "DATA_LOSS",
+    "Fault",
+    "FaultKind",
+    "Injection",
+    "Nemesis",
+    "make_schedule",
+]
+
+
+class FaultKind(enum.StrEnum):
+    """The kinds of fault the nemesis injects."""
+
+    DELAY = "delay"
+    BLACKHOLE = "blackhole"
+    RESET = "reset"
+    STALL = "stall"
+    CLIENT_KILL = "client_kill"
+    FLUSH = "flush"
+    RESTART = "restart"
+    HOLDER_STOP = "holder_stop"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART})
+"""Faults after which the server no longer has the keys it had."""
+
+_WARMUP: Final = 2.0  # TTLs before the first fault
+_COOLDOWN: Final = 1.5  # TTLs of calm after the last fault ends
+_GAP: Final = (1.0, 2.0)  # TTLs between one fault's end and the next one's start
+_HOLDER_STOP: Final = 2.5  # TTLs a holder stays stopped
+_HOLDER_WAIT: Final = 1.0  # TTLs to wait for some worker to hold a lock before skipping
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fault:
+    """One scheduled fault.
+
+    Attributes:
+        index: position in the schedule, from 0.
+        at: seconds from the start of the run at which the fault starts.
+        kind: what is done (see the module documentation).
+        variant: how, e.g. ``"beyond"`` for a delay beyond the renewal budget.
+        duration: seconds the fault lasts before it is healed (0 for instant faults).
+        amount: a kind-specific figure in seconds or a fraction: the one-way delay
+            (``delay``), the refusal window (``reset``), the fraction of connections
+            killed (``client_kill``), the time the server stays down (``restart``).
+        pick: a number in [0, 1) choosing a target among the candidates found at run time.
+    """
+
+    index: int
+    at: float
+    kind: FaultKind
+    variant: str
+    duration: float
+    amount: float
+    pick: float
+
+    @property
+    def end(self) -> float:
+        """Seconds from the start of the run at which the fault is healed (as scheduled)."""
+        return self.at + self.duration
+
+    def describe(self) -> str:
+        """One line for humans, e.g. ``"#3 at 5.21s delay/beyond 1.90s (0.500s each way)"``."""
+        what = f"{self.kind}/{self.variant}" if self.variant else str(self.kind)
+        text = f"#{self.index} at {self.at:.2f}s {what}"
+        if self.duration:
+            text += f" for {self.duration:.2f}s"
+        if self.kind is FaultKind.DELAY:
+            text += f" ({self.amount:.3f}s each way)"
+        elif self.kind is FaultKind.RESET and self.amount:
+            text += f" (refusing new connections for {self.amount:.2f}s)"
+        elif self.kind is FaultKind.CLIENT_KILL and self.variant == "some":
+            text += f" ({self.amount:.0%} of the connections, pick {self.pick:.3f})"
+        elif self.kind is FaultKind.RESTART:
+            text += f" (down {self.amount:.2f}s)"
+        elif self.kind is FaultKind.HOLDER_STOP:
+            text += f" (pick {self.pick:.3f})"
+        return text
+
+    def to_json(self) -> dict[str, object]:
+        """The fault as a JSON-able dict."""
+        return {
+            "index": self.index,
+            "at": round(self.at, 6),
+            "kind": str(self.kind),
+            "variant": self.variant,
+            "duration": round(self.duration, 6),
+            "amount": round(self.amount, 6),
+            "pick": round(self.pick, 6),
+        }
+
+
+def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float) -> Fault:
+    """Draw the variant and figures of one fault of ``kind`` starting ``at`` seconds in."""
+    variant = ""
+    duration = 0.0
+    amount = 0.0
+    pick = rng.random()
+    if kind is FaultKind.DELAY:
+        if rng.random() < 0.5:
+            variant = "within"
+            duration = rng.uniform(2.0, 4.0) * ttl
+            amount = rng.uniform(0.03, 0.1) * ttl
+        else:
+            variant = "beyond"
+            duration = rng.uniform(2.0, 3.5) * ttl
+            amount = rng.uniform(0.4, 0.9) * ttl
+    elif kind is FaultKind.BLACKHOLE:
+        variant = rng.choices(("both", "upstream", "downstream"), weights=(3, 1, 1))[0]
+        duration = rng.uniform(1.2, 2.5) * ttl
+    elif kind is FaultKind.RESET:
+        if rng.random() < 0.5:
+            variant = "refuse"
+            amount = rng.uniform(0.1, 0.6) * ttl
+        else:
+            variant = "plain"
+    elif kind is FaultKind.STALL:
+        variant = "sigstop" if rng.random() < 0.5 else "debug-sleep"
+        duration = rng.uniform(1.2, 2.5) * ttl
+    elif kind is FaultKind.CLIENT_KILL:
+        if rng.random() < 0.5:
+            variant = "all"
+            amount = 1.0
+        else:
+            variant = "some"
+            amount = rng.uniform(0.3, 0.7)
+    elif kind is FaultKind.RESTART:
+        amount = rng.uniform(0.0, 0.75) * ttl
+    elif kind is FaultKind.HOLDER_STOP:
+        duration = _HOLDER_STOP * ttl
+    return Fault(index, at, kind, variant, duration, amount, pick)
+
+
+def make_schedule(seed: int, seconds: float, ttl: float) -> tuple[Fault, ...]:
+    """The faults of a run of ``seconds`` with leases of ``ttl`` seconds, from ``seed``.
+
+    Deterministic: equal arguments give equal schedules (``random.Random(seed)`` and
+    nothing else). Faults are in order, never overlap, start after a warm-up of 2 TTLs
+    and end at least 1.5 TTLs before ``seconds``; a run too short for that gets none.
+
+    Raises:
+        ValueError: ``seconds`` or ``ttl`` is not a positive finite number.
+    """
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(ttl) and ttl > 0):
+        raise ValueError(f"seconds and ttl must be positive, got {seconds!r} and {ttl!r}")
+    rng = random.Random(seed)
+    end = seconds - _COOLDOWN * ttl
+    at = _WARMUP * ttl
+    faults: list[Fault] = []
+    bag: list[FaultKind] = []
+    while True:
+        if not bag:
+            bag = list(FaultKind)
+            rng.shuffle(bag)
+        fault = _draw(rng, len(faults), at, bag.pop(), ttl)
+        if fault.end > end:
+            return tuple(faults)
+        faults.append(fault)
+        at = fault.end + rng.uniform(*_GAP) * ttl
+
+
+# --------------------------------------------------------------------------------------
+# Injecting
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class Injection:
+    """What happened when one scheduled fault was injected.
+
+    ``start``/``end`` are ``time.monotonic()`` seconds (comparable with the history's
+    intervals); ``start_wall``/``end_wall`` are ``time.time()`` seconds (comparable with
+    fencing tokens, which are the server's clock in microseconds). For a data-loss fault
+    the keys were lost somewhere in ``[start, end]`` and the server answered again, without
+    them, at ``end``. ``outcome`` is ``"done"``, ``"skipped: <why>"`` or ``"error: <what>"``.
+    """
+
+    fault: Fault
+    start: float = 0.0
+    end: float = 0.0
+    start_wall: float = 0.0
+    end_wall: float = 0.0
+    target: str = ""
+    outcome: str = "done"
+
+    @property
+    def done(self) -> bool:
+        return self.outcome == "done"
+
+    @property
+    def data_loss(self) -> bool:
+        """True for a ``flush`` or ``restart`` that was carried out."""
+        return self.done and self.fault.kind in DATA_LOSS
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **self.fault.to_json(),
+            "start": round(self.start, 6),
+            "end": round(self.end, 6),
+            "target": self.target,
+            "outcome": self.outcome,
+        }
+
+
+Holders = Callable[[], Sequence[tuple[str, int]]]
+"""Returns ``(worker name, pid)`` of every worker that holds a lock now, sorted by name."""
+
+
+def _bulk_text(reply: bytes) -> str:
+    """The text of a raw RESP bulk-string reply (``$<n>\\r\\n<data>\\r\\n``)."""
+    if not reply.startswith(b"$"):
+        raise ValueError(f"expected a bulk string, got {reply[:80]!r}")
+    header, _, rest = reply.partition(b"\r\n")
+    size = int(header[1:])
+    return rest[: max(size, 0)].decode("utf-8", "replace")
+
+
+def _client_ids(client_list: str) -> list[int]:
+    """The ids of the normal and pub/sub client connections in a ``CLIENT LIST`` text."""
+    ids = []
+    for line in client_list.splitlines():
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        if "id" in fields and fields.get("cmd") != "client|list":
+            ids.append(int(fields["id"]))
+    return sorted(ids)
+
+
+class Nemesis:
+    """Injects the faults of a schedule into a server, the proxy in front of it, and workers.
+
+    Args:
+        server: the private server (restarted without persistence by ``restart``).
+        proxy: the proxy every worker connects through.
+        history: the shared history, where ``holder_stop`` records its pauses.
+        holders: who holds a lock right now, for ``holder_stop``.
+        ttl: the leases' TTL in seconds (to size waits).
+
+    Every fault is healed before :meth:`inject` returns, also when it fails or is
+    cancelled. :attr:`injections` lists what was done, in order.
+    """
+
+    def __init__(
+        self,
+        server: RedisServer,
+        proxy: FaultProxy,
+        history: History,
+        holders: Holders,
+        ttl: float,
+    ) -> None:
+        self._server = server
+        self._proxy = proxy
+        self._history = history
+        self._holders = holders
+        self._ttl = ttl
+        self._stopped_pids: set[int] = set()
+        self.injections: list[Injection] = []
+        self.stop_requested = False
+        """Set to make :meth:`run` return after the fault in progress (if any) is healed."""
+
+    async def run(self, schedule: Sequence[Fault], t0: float, until: float) -> None:
+        """Inject every fault of ``schedule`` at ``t0 + fault.at`` (monotonic seconds).
+
+        Stops before a fault that would start at or after ``until``, or once
+        :attr:`stop_requested` is set. A fault that comes due late (the previous one took
+        longer than scheduled) starts at once.
+        """
+        for fault in schedule:
+            due = t0 + fault.at
+            while not self.stop_requested and time.monotonic() < due:
+                await asyncio.sleep(min(due - time.monotonic(), 0.05))
+            if self.stop_requested or time.monotonic() >= until:
+                return
+            await self.inject(fault)
+
+    async def inject(self, fault: Fault) -> Injection:
+        """Inject ``fault``, wait its duration, heal it; record and return what happened."""
+        injection = Injection(fault)
+        self.injections.append(injection)
+        injection.start, injection.start_wall = time.monotonic(), time.time()
+        try:
+            await self._inject(fault, injection)
+        except asyncio.CancelledError:
+            injection.outcome = "error: cancelled"
+            raise
+        except Exception as exc:
+            injection.outcome = f"error: {exc!r}"
+        finally:
+            injection.end, injection.end_wall = time.monotonic(), time.time()
+        return injection
+
+    async def _inject(self, fault: Fault, injection: Injection) -> None:
+        kind = fault.kind
+        if kind is FaultKind.DELAY:
+            await self._delay(fault)
+        elif kind is FaultKind.BLACKHOLE:
+            await self._blackhole(fault)
+        elif kind is FaultKind.RESET:
+            await self._reset(fault)
+        elif kind is FaultKind.STALL:
+            await self._stall(fault)
+        elif kind is FaultKind.CLIENT_KILL:
+            injection.target = await self._client_kill(fault)
+        elif kind is FaultKind.FLUSH:
+            reply = await asyncio.to_thread(self._server.command, "FLUSHALL")
+            if reply != b"+OK\r\n":
+                raise RuntimeError(f"FLUSHALL answered {reply!r}")
+        elif kind is FaultKind.RESTART:
+            await self._restart(fault)
+        elif kind is FaultKind.HOLDER_STOP:
+            await self._holder_stop(fault, injection)
+        else:  # pragma: no cover - every kind is handled above
+            raise AssertionError(kind)
+
+    async def _delay(self, fault: Fault) -> None:
+        jitter = fault.amount * (0.3 if fault.variant == "within" else 0.1)
+        self._proxy.set_mode(ProxyMode.DELAY, delay=fault.amount, jitter=jitter)
+        try:
+            await asyncio.sleep(fault.duration)
+        finally:
+            self._proxy.set_mode(ProxyMode.PASS)
+
+    async def _blackhole(self, fault: Fault) -> None:
+        direction = fault.variant
+        assert direction in ("both", "upstream", "downstream")
+        self._proxy.set_mode(ProxyMode.BLACKHOLE, direction=direction)
+        try:
+            await asyncio.sleep(fault.duration)
+        finally:
+            self._proxy.set_mode(ProxyMode.PASS)
+            await self._proxy.reset_all()
+
+    async def _reset(self, fault: Fault) -> None:
+        if fault.amount:
+            self._proxy.refuse_new = True
+        try:
+            await self._proxy.reset_all()
+            await asyncio.sleep(fault.amount)
+        finally:
+            self._proxy.refuse_new = False
+
+    async def _stall(self, fault: Fault) -> None:
+        if fault.variant == "sigstop":
+            self._server.pause()
+            try:
+                await asyncio.sleep(fault.duration)
+            finally:
+                self._server.resume()
+            return
+        seconds = f"{fault.duration:.3f}"
+        reply = await asyncio.to_thread(
+            self._server.command, "DEBUG", "SLEEP", seconds, timeout=fault.duration + 5.0
+        )
+        if reply != b"+OK\r\n":
+            raise RuntimeError(f"DEBUG SLEEP answered {reply!r}")
+
+    async def _client_kill(self, fault: Fault) -> str:
+        listing = await asyncio.to_thread(self._server.command, "CLIENT", "LIST")
+        ids = _client_ids(_bulk_text(listing))
+        if fault.variant == "all":
+            chosen = ids
+        else:
+            count = max(1, round(fault.amount * len(ids))) if ids else 0
+            chosen = sorted(random.Random(int(fault.pick * 2**32)).sample(ids, count))
+        killed = 0
+        for client_id in chosen:
+            reply = await asyncio.to_thread(self._server.command, "CLIENT", "KILL", "ID", client_id)
+            killed += reply == b":1\r\n"
+        return f"{killed} of {len(ids)} connections"
+
+    async def _restart(self, fault: Fault) -> None:
+        await asyncio.to_thread(self._server.kill)
+        try:
+            await asyncio.sleep(fault.amount)
+        finally:
+            await asyncio.to_thread(self._server.restart)
+
+    async def _holder_stop(self, fault: Fault, injection: Injection) -> None:
+        deadline = time.monotonic() + _HOLDER_WAIT * self._ttl
+        holders = list(self._holders())
+        while not holders and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            holders = list(self._holders())
+        if not holders:
+            injection.outcome = "skipped: no worker held a lock"
+            return
+        name, pid = holders[min(int(fault.pick * len(holders)), len(holders) - 1)]
+        injection.target = name
+        with self._history.paused(name):
+            os.kill(pid, signal.SIGSTOP)
+            self._stopped_pids.add(pid)
+            try:
+                await asyncio.sleep(fault.duration)
+            finally:
+                self._continue(pid)
+
+    def _continue(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        self._stopped_pids.discard(pid)
+
+    async def heal_all(self) -> None:
+        """Undo every fault that may still be in force: proxy passes everything and accepts
+        new connections, the server runs and is not stopped, no worker is stopped."""
+        self._proxy.set_mode(ProxyMode.PASS)
+        self._proxy.refuse_new = False
+        for pid in list(self._stopped_pids):
+            self._continue(pid)
+        if self._server.is_paused:
+            self._server.resume()
+        if not self._server.is_running:
+            await asyncio.to_thread(self._server.start)
