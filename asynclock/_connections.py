@@ -93,6 +93,8 @@ class Companion:
     def unretain(self) -> bool:
         """Count one less; True when nothing uses it any more and it should be closed."""
         self._users -= 1
+        if self._users == 0:
+            self.watchdog.idle()
         check = self._eviction_check
         checking = check is not None and not check.done()
         busy = self._renewer is not None or self.room.open or self.watchdog.running or checking

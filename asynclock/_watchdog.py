@@ -17,12 +17,13 @@ our token: lost at once, no retry can bring it back. Any other failure (timeout,
 connection error, a failover's READONLY/LOADING) leaves the outcome unknown: the lease
 turns SUSPECT and its deadline does not move.
 
-One :class:`Watchdog` serves every lease of a client (per event loop): a single task
-sleeps until the earliest renewal is due, then sends every renewal due within a few
-milliseconds in one pipeline on the client's dedicated renewal connection. Each lease
+One :class:`Watchdog` serves every lease of a client (per event loop): a single loop
+timer fires when the earliest renewal is due, and every renewal due within a few
+milliseconds travels in one pipeline on the client's dedicated renewal connection. Each lease
 keeps its own schedule, deadline and outcome; coalescing only changes how the commands
 travel, so ten thousand leases cost one task and a pipeline per tick, not ten thousand
-tasks. Each batch runs as a task of its own, so one hung batch cannot delay the next.
+tasks, and nothing runs between renewals. Each batch runs as a task of its own, so one
+hung batch cannot delay the next.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import math
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
@@ -79,61 +81,65 @@ class Watchdog:
         self._renewer = renewer
         self._due: list[tuple[float, int, Lease]] = []  # (due time, tie-breaker, lease)
         self._order = itertools.count()
-        self._task: asyncio.Task[None] | None = None
-        self._woken: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self._batches: set[asyncio.Task[None]] = set()
 
     @property
     def running(self) -> bool:
-        """True while the watchdog has a task that may still touch Redis."""
-        return bool(self._batches) or (self._task is not None and not self._task.done())
+        """True while renewals are in flight (tasks that may still touch Redis)."""
+        return bool(self._batches)
 
     def schedule(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at loop time ``due`` (replacing any earlier schedule of it)."""
         lease._due = due
         heapq.heappush(self._due, (due, next(self._order), lease))
-        if self._task is None or self._task.done():
-            self._task = self._loop.create_task(self._run(), name="asynclock-watchdog")
-        elif self._due[0][2] is lease and self._woken is not None and not self._woken.done():
-            self._woken.set_result(None)  # sleeping for a later one: wake up earlier
+        if due < self._timer_at:
+            self._arm(due)
+
+    def idle(self) -> None:
+        """No lease of the client is held any more: forget every schedule."""
+        self._due.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, math.inf
 
     async def aclose(self) -> None:
-        """Stop renewing (every lease of the client has ended)."""
-        tasks = [t for t in (self._task, *self._batches) if t is not None and not t.done()]
-        for task in tasks:
+        """Stop renewing and wait for renewals in flight to be cancelled."""
+        self.idle()
+        batches = list(self._batches)
+        for task in batches:
             task.cancel()
-        for task in tasks:
+        for task in batches:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._due.clear()
 
-    async def _run(self) -> None:
-        loop = self._loop
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = self._loop.call_at(at, self._fire), at
+
+    def _fire(self) -> None:
+        """The earliest renewal is due: send every renewal due within the window."""
+        self._timer, self._timer_at = None, math.inf
+        now = self._loop.time()
+        batch: list[Lease] = []
         while self._due:
             due, _, lease = self._due[0]
             if lease._due != due or not lease._active:
                 heapq.heappop(self._due)  # a stale entry, or an ended lease
                 continue
-            delay = due - loop.time()
-            if delay > 0:
-                self._woken = loop.create_future()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await self._woken
-                self._woken = None
-                continue
-            now = loop.time()
-            batch: list[Lease] = []
-            while self._due and self._due[0][0] <= now + _WINDOW and len(batch) < _BATCH:
-                due, _, lease = heapq.heappop(self._due)
-                if lease._due == due and lease._active:
-                    lease._due = None
-                    report_stall(lease, due, now, "the renewal")
-                    batch.append(lease)
-            if batch:
-                task = loop.create_task(self._renew(batch), name="asynclock-renewal")
-                self._batches.add(task)
-                task.add_done_callback(self._batches.discard)
+            if due > now + _WINDOW or len(batch) >= _BATCH:
+                self._arm(max(due, now))
+                break
+            heapq.heappop(self._due)
+            lease._due = None
+            report_stall(lease, due, now, "the renewal")
+            batch.append(lease)
+        if batch:
+            task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
 
     async def _renew(self, batch: list[Lease]) -> None:
         """One attempt for each lease of ``batch``; never raises (failures are per lease)."""
