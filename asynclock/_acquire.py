@@ -84,6 +84,7 @@ class Acquisition:
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
         waiter = room.join(channel)
+        granted: Grant | None = None
         try:
             subscribed = False
             fallback: float | None = None
@@ -114,7 +115,9 @@ class Acquisition:
                     wait = left if wait is None else min(wait, left)
                 fallback = await _wait_event(waiter.event, wait)
         finally:
-            room.leave(channel, waiter)
+            # Having just taken the lock, do not send the next in line to try in vain:
+            # our release will wake it.
+            room.leave(channel, waiter, wake_next=granted is None)
 
     def _fallback(self, pttl_ms: int) -> float:
         """Seconds to wait before trying again without a notification."""
@@ -188,9 +191,14 @@ class Acquisition:
     async def _abandon(self) -> None:
         """Undo an attempt that may have landed, and stop it from landing later."""
         options = self._options
-        keys = [options.key, options.void_key(self._token)]
-        args: list[Arg] = [self._token, max(10_000, 3 * options.ttl_ms), options.channel]
         companion = self._companion
+        keys = [options.key, options.void_key(self._token)]
+        args: list[Arg] = [
+            self._token,
+            max(10_000, 3 * options.ttl_ms),
+            options.channel,
+            companion.room.origin,
+        ]
         undo = run_idempotent(ABANDON, companion.client, companion.renewer, keys, args)
         try:
             await finish(undo, options.release_timeout)
@@ -203,6 +211,8 @@ class Acquisition:
                 options.name,
                 exc,
             )
+        finally:
+            companion.room.wake(options.channel)  # the key may be gone: let our line try
 
 
 async def _wait_event(event: asyncio.Event, limit: float | None) -> float | None:

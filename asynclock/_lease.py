@@ -412,7 +412,7 @@ class LeaseContext:
 
 async def _release(held: Lease) -> bool:
     companion = held._companion
-    args: list[Arg] = [held._value, held._options.channel]
+    args: list[Arg] = [held._value, held._options.channel, companion.room.origin]
     reply = await run_idempotent(RELEASE, companion.client, companion.renewer, [held.key], args)
     return bool(reply == 1)
 

@@ -132,11 +132,13 @@ return 0
 RELEASE = Script(
     "release",
     """
--- KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] the release channel
+-- KEYS[1] lease key
+-- ARGV[1] the lease's full value, ARGV[2] the release channel, ARGV[3] the releasing
+-- client's origin id (published, so that client can ignore its own notification)
 -- returns 1 when our key was deleted (and waiters notified), 0 when it was not ours
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], '')
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 1
 end
 return 0
@@ -147,7 +149,8 @@ ABANDON = Script(
     "abandon",
     """
 -- KEYS[1] lease key, KEYS[2] the attempt's tombstone
--- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel
+-- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
+-- ARGV[4] the client's origin id
 -- Deletes the key if the abandoned attempt already landed, and leaves a tombstone so
 -- that the attempt, should it reach Redis after this script, sets nothing.
 -- Returns 1 if it deleted. Under maxmemory the tombstone may be refused (pcall): an
@@ -157,7 +160,7 @@ local mine = ARGV[1] .. ':'
 local deleted = 0
 if current and string.sub(current, 1, #mine) == mine then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[3], '')
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
   deleted = 1
 end
 redis.pcall('SET', KEYS[2], '1', 'PX', ARGV[2])

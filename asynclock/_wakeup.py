@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 from collections import deque
 from typing import Any
 
@@ -49,6 +50,9 @@ class WaitingRoom:
         # The listener reads RESP2 bytes and blocks without a socket timeout.
         self._settings = {**settings, "decode_responses": False, "socket_timeout": None}
         self._lines: dict[str, deque[Waiter]] = {}
+        self.origin = secrets.token_hex(8)
+        """Published with this client's releases, so it can tell its own notifications."""
+        self._origin_bytes = self.origin.encode()
         self._connection: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._confirmed: set[str] = set()
@@ -76,8 +80,8 @@ class WaitingRoom:
         line = self._lines.get(channel)
         return bool(line) and line[0] is waiter  # type: ignore[index]
 
-    def leave(self, channel: str, waiter: Waiter) -> None:
-        """Remove ``waiter``; the next in line becomes head and is woken to try."""
+    def leave(self, channel: str, waiter: Waiter, *, wake_next: bool = True) -> None:
+        """Remove ``waiter``; the next in line becomes head (woken to try if ``wake_next``)."""
         line = self._lines.get(channel)
         if not line:
             return
@@ -86,7 +90,7 @@ class WaitingRoom:
             line.remove(waiter)
         if not line:
             del self._lines[channel]
-        elif was_head:
+        elif was_head and wake_next:
             line[0].event.set()
 
     def wake(self, channel: str) -> None:
@@ -181,7 +185,8 @@ class WaitingRoom:
         kind, raw_channel = reply[0], reply[1]
         channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
         if kind == b"message":
-            self.wake(channel)
+            if len(reply) < 3 or reply[2] != self._origin_bytes:  # our own: woken already
+                self.wake(channel)
         elif kind == b"subscribe":
             self._confirmed.add(channel)
             future = self._pending.pop(channel, None)

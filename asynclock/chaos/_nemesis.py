@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from asynclock.testing import FaultProxy, History, ProxyMode, RedisServer
+from asynclock.testing import Direction, FaultProxy, History, ProxyMode, RedisServer
 
 __all__ = [
     "DATA_LOSS",
@@ -267,6 +267,12 @@ class Injection:
         }
 
 
+_DIRECTIONS: Final[dict[str, Direction]] = {
+    "both": "both",
+    "upstream": "upstream",
+    "downstream": "downstream",
+}
+
 Holders = Callable[[], Sequence[tuple[str, int]]]
 """Returns ``(worker name, pid)`` of every worker that holds a lock now, sorted by name."""
 
@@ -319,21 +325,24 @@ class Nemesis:
         self._ttl = ttl
         self._stopped_pids: set[int] = set()
         self.injections: list[Injection] = []
-        self.stop_requested = False
-        """Set to make :meth:`run` return after the fault in progress (if any) is healed."""
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        """Make :meth:`run` return after the fault in progress (if any) is healed."""
+        self._stop.set()
 
     async def run(self, schedule: Sequence[Fault], t0: float, until: float) -> None:
         """Inject every fault of ``schedule`` at ``t0 + fault.at`` (monotonic seconds).
 
-        Stops before a fault that would start at or after ``until``, or once
-        :attr:`stop_requested` is set. A fault that comes due late (the previous one took
-        longer than scheduled) starts at once.
+        Stops before a fault that would start at or after ``until``, or once :meth:`stop`
+        was called. A fault that comes due late (the previous one took longer than
+        scheduled) starts at once.
         """
         for fault in schedule:
-            due = t0 + fault.at
-            while not self.stop_requested and time.monotonic() < due:
-                await asyncio.sleep(min(due - time.monotonic(), 0.05))
-            if self.stop_requested or time.monotonic() >= until:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, t0 + fault.at - time.monotonic())):
+                    await self._stop.wait()
+            if self._stop.is_set() or time.monotonic() >= until:
                 return
             await self.inject(fault)
 
@@ -385,9 +394,7 @@ class Nemesis:
             self._proxy.set_mode(ProxyMode.PASS)
 
     async def _blackhole(self, fault: Fault) -> None:
-        direction = fault.variant
-        assert direction in ("both", "upstream", "downstream")
-        self._proxy.set_mode(ProxyMode.BLACKHOLE, direction=direction)
+        self._proxy.set_mode(ProxyMode.BLACKHOLE, direction=_DIRECTIONS[fault.variant])
         try:
             await asyncio.sleep(fault.duration)
         finally:

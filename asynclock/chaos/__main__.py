@@ -1,0 +1,103 @@
+"""``python -m asynclock.chaos [--workers N] [--seconds S] [--seed N] ...``: the chaos run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+
+from ._run import ChaosConfig, new_seed, print_schedule, run
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m asynclock.chaos",
+        description=(
+            "Worker processes contend for a few asynclock leases on a private Redis server, "
+            "through a fault-injecting proxy, while a seeded nemesis injects faults (proxy "
+            "delay, blackhole and reset, server stall, CLIENT KILL, FLUSHALL, restart "
+            "without persistence, SIGSTOP of a holder). Then everything is healed, the "
+            "workers stop, and every check runs. Prints one summary; exit status 0 when "
+            "every must-be-0 figure is 0 and no worker died, 1 otherwise (with the command "
+            "that replays the seed), 2 when the run could not be carried out."
+        ),
+    )
+    parser.add_argument(
+        "--workers", type=int, default=4, metavar="N", help="worker processes (default 4)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=_seconds,
+        default=20.0,
+        metavar="S",
+        help="length of the run, faults included (default 20)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, metavar="N", help="seed (default: random, printed)"
+    )
+    parser.add_argument(
+        "--locks", type=int, default=3, metavar="N", help="locks contended for (default 3)"
+    )
+    parser.add_argument(
+        "--ttl", type=_seconds, default=0.8, metavar="S", help="lease TTL in seconds (default 0.8)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("redis", "valkey"),
+        default=None,
+        help="server engine (default: redis-server if installed, else valkey)",
+    )
+    parser.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the history and fenced store when it passes"
+    )
+    parser.add_argument(
+        "--print-schedule",
+        action="store_true",
+        help="print the faults the seed schedules, and exit without running",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line and run (or print the schedule); returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 2 <= args.workers <= 32:
+        parser.error("--workers must be between 2 and 32")
+    if not 1 <= args.locks <= 64:
+        parser.error("--locks must be between 1 and 64")
+    if not 0.1 <= args.ttl <= 10:
+        parser.error("--ttl must be between 0.1 and 10 seconds")
+    if args.seconds > 86_400:
+        parser.error("--seconds must be at most a day")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        parser.error("--seed must be between 0 and 2**63 - 1")
+    config = ChaosConfig(
+        seed=new_seed() if args.seed is None else args.seed,
+        workers=args.workers,
+        seconds=args.seconds,
+        locks=args.locks,
+        ttl=args.ttl,
+        engine=args.engine,
+        keep=args.keep,
+    )
+    if args.print_schedule:
+        print_schedule(config)
+        return 0
+    return run(config, as_json=args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,449 @@
+"""The chaos run: a private server behind a fault proxy, worker processes, the nemesis.
+
+Design note. The parent is one asyncio program: the :class:`~asynclock.testing.FaultProxy`
+every worker connects through runs on its loop, so nothing here may block it for long
+(server restarts and raw commands go to threads). Workers are ``subprocess`` children in
+their own session (a terminal's Ctrl-C reaches only the parent, which cleans up); each
+reports on its stdout, read by one task per worker, which keeps track of who holds a lock
+now (for the nemesis's ``holder_stop``) and collects how every round ended. The run is
+bounded at every step: workers must be ready within 30 s, the nemesis stops at the end of
+the run (the fault in progress is healed, not cut short), workers get a few TTLs plus
+10 s to stop before they are killed (a failure), and the whole run is cancelled cleanly
+by Ctrl-C or SIGTERM. Then every check runs over what was recorded (``_summary``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+from redis.asyncio import Redis
+
+from asynclock.testing import (
+    FaultProxy,
+    FencedStore,
+    History,
+    RedisServer,
+    check_fenced_writes,
+    keys_left,
+)
+
+from ._nemesis import Nemesis, make_schedule
+from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, summarize
+from ._worker import WorkerConfig, counter_key
+
+__all__ = ["ChaosConfig", "run_chaos"]
+
+_READY_TIMEOUT: Final = 30.0  # seconds for every worker to start and report ready
+_STOP_GRACE: Final = 10.0  # seconds (plus 4 TTLs) for the workers to stop when told
+_NEMESIS_GRACE: Final = 15.0  # seconds for the fault in progress to end after the run
+_PROGRESS_EVERY: Final = 60.0  # seconds between progress lines (runs of 2 minutes or more)
+_WORKER_CODE: Final = (
+    "import sys; from asynclock.chaos._worker import main; sys.exit(main(sys.argv[1:]))"
+)
+_ROOT: Final = str(Path(__file__).resolve().parents[2])  # workers import this very asynclock
+_DEFAULTS: Final = {"workers": 4, "seconds": 20.0, "locks": 3, "ttl": 0.8}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChaosConfig:
+    """What a chaos run is asked to do. Times in seconds.
+
+    Attributes:
+        seed: drives the nemesis's schedule and the workers' choices.
+        workers: worker processes (at least 2).
+        seconds: length of the run, from the first worker being ready to healing.
+        locks: locks the workers contend for.
+        ttl: the leases' TTL.
+        engine: ``"redis"``, ``"valkey"`` or None for the first one installed.
+        keep: keep the work directory (history, fenced store) even when the run passes.
+    """
+
+    seed: int
+    workers: int = 4
+    seconds: float = 20.0
+    locks: int = 3
+    ttl: float = 0.8
+    engine: str | None = None
+    keep: bool = False
+
+    @property
+    def lock_names(self) -> tuple[str, ...]:
+        return tuple(f"lock-{i}" for i in range(self.locks))
+
+    def replay(self) -> str:
+        """The command line that replays this run (same seed, same schedule)."""
+        parts = [
+            "python -m asynclock.chaos",
+            f"--seed {self.seed}",
+            f"--workers {self.workers}",
+            f"--seconds {self.seconds:g}",
+        ]
+        if self.locks != _DEFAULTS["locks"]:
+            parts.append(f"--locks {self.locks}")
+        if self.ttl != _DEFAULTS["ttl"]:
+            parts.append(f"--ttl {self.ttl:g}")
+        if self.engine is not None:
+            parts.append(f"--engine {self.engine}")
+        return " ".join(parts)
+
+
+def new_seed() -> int:
+    """A random seed for a run that was given none."""
+    return secrets.randbelow(2**32)
+
+
+@dataclasses.dataclass(slots=True)
+class _Worker:
+    name: str
+    proc: asyncio.subprocess.Process
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    holding: tuple[str, int] | None = None
+    final: dict[str, Any] | None = None
+    stderr: deque[str] = dataclasses.field(default_factory=lambda: deque(maxlen=40))
+    told_to_stop: bool = False
+    exited_early: bool = False
+    tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+
+
+class _Run:
+    """One chaos run against ``server`` through ``proxy``; see the module's design note."""
+
+    def __init__(
+        self,
+        config: ChaosConfig,
+        server: RedisServer,
+        proxy: FaultProxy,
+        workdir: Path,
+        log: TextIO,
+    ) -> None:
+        self.config = config
+        self.server = server
+        self.proxy = proxy
+        self.workdir = workdir
+        self.log = log
+        self.history_path = workdir / "history.jsonl"
+        self.store_path = workdir / "fenced.sqlite3"
+        self.history = History(self.history_path)
+        self.workers: list[_Worker] = []
+        self.rounds: list[RoundReport] = []
+        self.schedule = make_schedule(config.seed, config.seconds, config.ttl)
+        self.nemesis = Nemesis(server, proxy, self.history, self.holders, config.ttl)
+
+    def holders(self) -> list[tuple[str, int]]:
+        """``(name, pid)`` of the workers holding a lock now (by their last report)."""
+        return [
+            (w.name, w.proc.pid)
+            for w in self.workers
+            if w.holding is not None and w.proc.returncode is None
+        ]
+
+    # -- workers ------------------------------------------------------------------------
+
+    async def _spawn(self, index: int) -> _Worker:
+        config = self.config
+        name = f"worker-{index}"
+        worker_config = WorkerConfig(
+            index=index,
+            name=name,
+            url=self.proxy.url,
+            locks=config.lock_names,
+            ttl=config.ttl,
+            seed=config.seed,
+            history=str(self.history_path),
+            store=str(self.store_path),
+            parent_pid=os.getpid(),
+        )
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _WORKER_CODE,
+            worker_config.to_json(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        worker = _Worker(name, proc)
+        worker.tasks = [
+            asyncio.create_task(self._read_reports(worker)),
+            asyncio.create_task(self._read_stderr(worker)),
+        ]
+        return worker
+
+    async def _read_reports(self, worker: _Worker) -> None:
+        stream = worker.proc.stdout
+        assert stream is not None
+        while line := await stream.readline():
+            try:
+                message = json.loads(line)
+            except ValueError:
+                worker.stderr.append("stdout: " + line.decode(errors="replace").rstrip())
+                continue
+            kind = message.get("k")
+            if kind == "ready":
+                worker.ready.set()
+            elif kind == "acquired":
+                worker.holding = (str(message["lock"]), int(message["fence"]))
+            elif kind == "round":
+                worker.holding = None
+                self.rounds.append(RoundReport.from_message(worker.name, message))
+            elif kind == "final":
+                worker.final = dict(message["stats"])
+        if not worker.told_to_stop:
+            worker.exited_early = True
+        worker.holding = None
+
+    async def _read_stderr(self, worker: _Worker) -> None:
+        stream = worker.proc.stderr
+        assert stream is not None
+        while line := await stream.readline():
+            worker.stderr.append(line.decode(errors="replace").rstrip())
+
+    async def _start_workers(self) -> None:
+        for index in range(self.config.workers):
+            self.workers.append(await self._spawn(index))
+        waits = [asyncio.create_task(w.ready.wait()) for w in self.workers]
+        try:
+            async with asyncio.timeout(_READY_TIMEOUT):
+                await asyncio.gather(*waits)
+        except TimeoutError:
+            late = [w.name for w in self.workers if not w.ready.is_set()]
+            raise RuntimeError(
+                f"worker(s) {', '.join(late)} not ready within {_READY_TIMEOUT:g} s"
+            ) from None
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def _stop_workers(self) -> None:
+        """Close every worker's stdin, wait for them to exit, kill those that do not."""
+        for worker in self.workers:
+            worker.told_to_stop = True
+            stdin = worker.proc.stdin
+            if stdin is not None:
+                stdin.close()
+        waits = [asyncio.create_task(w.proc.wait()) for w in self.workers]
+        await asyncio.wait(waits, timeout=_STOP_GRACE + 4 * self.config.ttl)
+        await self._kill_workers()
+        for worker in self.workers:  # read what they wrote before exiting
+            await asyncio.wait(worker.tasks, timeout=5.0)
+
+    async def _kill_workers(self) -> None:
+        for worker in self.workers:
+            if worker.proc.returncode is None:
+                worker.stderr.append("(killed: did not stop in time)")
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+                    worker.proc.kill()
+        for worker in self.workers:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await worker.proc.wait()
+
+    def _outcomes(self) -> list[WorkerOutcome]:
+        outcomes = []
+        for worker in self.workers:
+            code = worker.proc.returncode
+            died = None
+            if worker.exited_early:
+                died = f"died during the run (exit status {code})"
+            elif code != 0:
+                died = f"exited with status {code} when told to stop"
+            elif worker.final is None:
+                died = "exited without its final report"
+            outcomes.append(
+                WorkerOutcome(worker.name, code, died, worker.final or {}, tuple(worker.stderr))
+            )
+        return outcomes
+
+    # -- the run ------------------------------------------------------------------------
+
+    async def _progress(self, t0: float) -> None:
+        while True:
+            await asyncio.sleep(_PROGRESS_EVERY)
+            done = sum(1 for i in self.nemesis.injections if i.done)
+            acquired = sum(1 for r in self.rounds if r.body_start is not None)
+            print(
+                f"chaos: {time.monotonic() - t0:.0f} of {self.config.seconds:g} s, "
+                f"{acquired} acquisitions, {done} faults",
+                file=self.log,
+                flush=True,
+            )
+
+    async def run(self) -> RunRecord:
+        config = self.config
+        started = time.monotonic()
+        store = FencedStore(self.store_path)  # creates the schema before any worker runs
+        try:
+            try:
+                await self._start_workers()
+                t0 = time.monotonic()
+                until = t0 + config.seconds
+                nemesis = asyncio.create_task(self.nemesis.run(self.schedule, t0, until))
+                progress = None
+                if config.seconds >= 2 * _PROGRESS_EVERY:
+                    progress = asyncio.create_task(self._progress(t0))
+                try:
+                    await asyncio.sleep(max(0.0, until - time.monotonic()))
+                    self.nemesis.stop()
+                    await asyncio.wait({nemesis}, timeout=_NEMESIS_GRACE)
+                finally:
+                    for task in (nemesis, progress):
+                        if task is not None and not task.done():
+                            task.cancel()
+                            await asyncio.wait({task})
+                if not nemesis.cancelled() and nemesis.exception() is not None:
+                    raise RuntimeError("the nemesis failed") from nemesis.exception()
+                await self.nemesis.heal_all()
+                await self._stop_workers()
+                keys = await self._keys_left()
+            finally:
+                await self.nemesis.heal_all()
+                await self._kill_workers()
+            self._save()
+            history = History.load(self.history_path)
+            counters = {lock: store.read_int(counter_key(lock)) for lock in config.lock_names}
+            return RunRecord(
+                seed=config.seed,
+                workers=config.workers,
+                seconds=config.seconds,
+                locks=config.lock_names,
+                ttl=config.ttl,
+                engine=f"{self.server.engine} {self.server.version}",
+                schedule=self.schedule,
+                injections=tuple(self.nemesis.injections),
+                rounds=tuple(self.rounds),
+                outcomes=tuple(self._outcomes()),
+                intervals=tuple(history.intervals),
+                pauses=tuple(history.pauses),
+                attempts=tuple(store.attempts()),
+                fenced_violations=tuple(check_fenced_writes(store)),
+                counters=counters,
+                keys_left=tuple(keys),
+                wall_seconds=time.monotonic() - started,
+                replay=config.replay(),
+            )
+        finally:
+            store.close()
+            self.history.close()
+
+    def _save(self) -> None:
+        """Write the schedule, what the nemesis did and every round to the work directory."""
+        with open(self.workdir / "injections.jsonl", "w") as file:
+            for injection in self.nemesis.injections:
+                file.write(json.dumps(injection.to_json()) + "\n")
+        with open(self.workdir / "rounds.jsonl", "w") as file:
+            for report in self.rounds:
+                file.write(json.dumps(dataclasses.asdict(report)) + "\n")
+
+    async def _keys_left(self) -> list[str]:
+        client = Redis.from_url(self.server.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        try:
+            return await keys_left(client)
+        finally:
+            await client.aclose()
+
+
+async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Summary, Path]:
+    """Run the chaos test described by ``config``; return its summary and work directory.
+
+    ``log`` receives progress lines (default: stderr). The work directory holds the
+    shared history and fenced store; it is deleted when the run passes (unless
+    ``config.keep``), and kept when it fails.
+
+    Raises:
+        RuntimeError: no server binary, a server or worker that did not start.
+    """
+    log = sys.stderr if log is None else log
+    workdir = Path(tempfile.mkdtemp(prefix="asynclock-chaos-"))
+    server = RedisServer(config.engine)
+    passed = False
+    try:
+        await asyncio.to_thread(server.start)
+        async with FaultProxy(server.host, server.port) as proxy:
+            record = await _Run(config, server, proxy, workdir, log).run()
+        summary = summarize(record)
+        passed = summary.ok
+        return summary, workdir
+    finally:
+        await asyncio.to_thread(server.stop)
+        if passed and not config.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _print_summary(
+    config: ChaosConfig, summary: Summary, workdir: Path, as_json: bool, out: TextIO
+) -> None:
+    print("", *summary.lines, sep="\n", file=out)
+    if summary.ok:
+        kept = f" (files kept in {workdir})" if config.keep else ""
+        print(f"OK: every check passed{kept}", file=out)
+    else:
+        print("", "failures:", *(f"  - {f}" for f in summary.failures), sep="\n", file=out)
+        if summary.details:
+            print("details:", *(f"  {d}" for d in summary.details), sep="\n", file=out)
+        print(f"files kept in {workdir}", file=out)
+        print(f"FAILED: replay with {config.replay()}", file=out)
+    if as_json:
+        print(json.dumps(summary.data, separators=(",", ":")), file=out)
+    out.flush()
+
+
+def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None) -> int:
+    """Run, print the one summary to ``out`` (default stdout), return the exit status.
+
+    0 when every must-be-0 figure is 0 and no worker died, 1 when a check failed, 2 when
+    the run could not be carried out, 130 when interrupted.
+    """
+    out = sys.stdout if out is None else out
+    schedule = make_schedule(config.seed, config.seconds, config.ttl)
+    print(
+        f"asynclock chaos: seed {config.seed}, {config.workers} workers, {config.locks} "
+        f"locks, ttl {config.ttl:g} s, {config.seconds:g} s, {len(schedule)} faults "
+        f"scheduled (replay: {config.replay()})",
+        file=out,
+        flush=True,
+    )
+
+    async def main() -> tuple[Summary, Path]:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        return await run_chaos(config)
+
+    try:
+        summary, workdir = asyncio.run(main())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted: every worker and the server were stopped", file=out, flush=True)
+        return 130
+    except RuntimeError as exc:
+        print(f"asynclock chaos: the run could not be carried out: {exc}", file=out, flush=True)
+        print(f"FAILED: replay with {config.replay()}", file=out, flush=True)
+        return 2
+    _print_summary(config, summary, workdir, as_json, out)
+    return 0 if summary.ok else 1
+
+
+def print_schedule(config: ChaosConfig, out: TextIO | None = None) -> None:
+    """Print the faults ``config``'s seed schedules, one per line."""
+    out = sys.stdout if out is None else out
+    for fault in make_schedule(config.seed, config.seconds, config.ttl):
+        print(fault.describe(), file=out)

@@ -1,0 +1,578 @@
+"""Checking a chaos run and printing its one summary.
+
+Everything here is a pure function of what the run recorded: the schedule and what the
+nemesis did, the workers' reports, the shared history (intervals and pauses), the fenced
+store's log and counters, and the keys left on the server. Times are ``time.monotonic()``
+seconds unless a name ends in ``_wall`` (``time.time()`` seconds); the summary shows
+milliseconds.
+
+Definitions (also in ``docs/chaos.md``):
+
+* An interval is *paused* if a :class:`~asynclock.testing.Pause` of its holder overlaps
+  ``[start - ttl, end]``: the holder was stopped while it held the lease, or while its
+  acquire was in flight (a grant is only handed out with a third of the TTL left, so an
+  acquire sent more than a TTL before the guard started cannot be affected).
+* An overlap of two intervals (``first`` started first) is *after data loss* if neither
+  is paused and there is a data-loss fault (``flush``, ``restart``) during which
+  ``first``'s lease existed on the server and before whose end ``second``'s was not
+  granted: ``first`` was granted (its fencing token, which is the server's clock in
+  microseconds, read as a wall-clock time) before the fault ended and was still guarding
+  when it began, and ``second`` was granted after the fault began. When a token does not
+  look like a timestamp, the guard's start minus a TTL stands in for the grant time.
+* Every other overlap is among holders that were not paused and must not happen.
+* Detection latency, ``deadline``: for ``LockLost(deadline)`` of an interval that was not
+  paused, from the lease's safe deadline to the guarded body having stopped (the guard's
+  exit). ``not_owner``: for ``LockLost(not_owner)`` of a lease that a data-loss fault took
+  away, from the end of that fault (``FLUSHALL`` answered, or the restarted server
+  answering again: the first moment a renewal could find the key missing) to the body
+  having stopped. ``after SIGCONT``: for a stopped holder, from ``SIGCONT`` to its body
+  having stopped. Losses noticed only after the body had ended (e.g. during the release)
+  have no latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+from asynclock.testing import (
+    Attempt,
+    FencedWriteViolation,
+    FencingViolation,
+    Interval,
+    Overlap,
+    Pause,
+    check_counter,
+    check_fencing,
+    measure_overlap,
+)
+
+from ._nemesis import Fault, FaultKind, Injection
+
+__all__ = [
+    "DataLoss",
+    "OverlapClasses",
+    "RoundReport",
+    "RunRecord",
+    "Summary",
+    "WorkerOutcome",
+    "classify_overlaps",
+    "percentile",
+    "summarize",
+]
+
+_SLACK: Final = 0.002  # seconds of tolerance when comparing a token's time with a window
+_SHOWN: Final = 5  # violations of each kind printed in full
+
+
+# --------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------
+
+
+def _opt_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundReport:
+    """How one worker round ended (a worker's ``round`` message)."""
+
+    worker: str
+    lock: str
+    fence: int | None
+    outcome: str
+    """``released``, ``lost``, ``timeout``, ``error``, ``unexpected`` or ``cancelled``."""
+    reason: str | None
+    error: str | None
+    body_start: float | None
+    body_end: float | None
+    safe_until: float | None
+    lost_at: float | None
+    increments: int = 0
+    refused: int = 0
+
+    @classmethod
+    def from_message(cls, worker: str, message: Mapping[str, Any]) -> RoundReport:
+        fence = message.get("fence")
+        return cls(
+            worker=worker,
+            lock=str(message["lock"]),
+            fence=None if fence is None else int(fence),
+            outcome=str(message["outcome"]),
+            reason=None if message.get("reason") is None else str(message["reason"]),
+            error=None if message.get("error") is None else str(message["error"]),
+            body_start=_opt_float(message.get("body_start")),
+            body_end=_opt_float(message.get("body_end")),
+            safe_until=_opt_float(message.get("safe_until")),
+            lost_at=_opt_float(message.get("lost_at")),
+            increments=int(message.get("increments", 0)),
+            refused=int(message.get("refused", 0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerOutcome:
+    """How one worker process ended. ``died`` says how it failed, or is None."""
+
+    name: str
+    exit_code: int | None
+    died: str | None
+    stats: Mapping[str, Any]
+    stderr_tail: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunRecord:
+    """Everything a chaos run recorded, as the checks need it."""
+
+    seed: int
+    workers: int
+    seconds: float
+    locks: tuple[str, ...]
+    ttl: float
+    engine: str
+    schedule: tuple[Fault, ...]
+    injections: tuple[Injection, ...]
+    rounds: tuple[RoundReport, ...]
+    outcomes: tuple[WorkerOutcome, ...]
+    intervals: tuple[Interval, ...]
+    pauses: tuple[Pause, ...]
+    attempts: tuple[Attempt, ...]
+    fenced_violations: tuple[FencedWriteViolation, ...]
+    counters: Mapping[str, int]
+    """The fenced counter's final value, per lock."""
+    keys_left: tuple[str, ...]
+    wall_seconds: float
+    replay: str
+    """The command line that replays this run."""
+
+
+# --------------------------------------------------------------------------------------
+# Classifying overlaps
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataLoss:
+    """A window in which the server lost its keys (monotonic and wall-clock seconds)."""
+
+    start: float
+    end: float
+    start_wall: float
+    end_wall: float
+
+    @classmethod
+    def of(cls, injection: Injection) -> DataLoss:
+        return cls(injection.start, injection.end, injection.start_wall, injection.end_wall)
+
+
+def token_time(fencing_token: int, now_wall: float | None = None) -> float | None:
+    """The wall-clock time (s) a fencing token was minted at, if it looks like one.
+
+    asynclock mints ``max(last + 1, server TIME in microseconds)``; a token within a day
+    of ``now_wall`` is read as that time, anything else gives None.
+    """
+    seconds = fencing_token / 1e6
+    now = time.time() if now_wall is None else now_wall
+    return seconds if abs(seconds - now) < 86_400 else None
+
+
+def _pauses_by_holder(pauses: Iterable[Pause]) -> dict[str, list[Pause]]:
+    found: dict[str, list[Pause]] = defaultdict(list)
+    for pause in pauses:
+        found[pause.holder].append(pause)
+    return found
+
+
+def pause_of(interval: Interval, pauses: Mapping[str, Sequence[Pause]], ttl: float) -> Pause | None:
+    """The first pause of the interval's holder overlapping ``[start - ttl, end]``."""
+    for pause in pauses.get(interval.holder, ()):
+        if pause.start < interval.end and pause.end > interval.start - ttl:
+            return pause
+    return None
+
+
+def _granted_at(interval: Interval, ttl: float, now_wall: float, offset: float) -> float:
+    """Wall-clock time the interval's lease was granted, as well as can be told."""
+    minted = token_time(interval.fencing_token, now_wall)
+    return minted if minted is not None else interval.start - ttl + offset
+
+
+def _excused_by(
+    first: Interval, second: Interval, windows: Sequence[DataLoss], ttl: float, now_wall: float
+) -> DataLoss | None:
+    for window in windows:
+        offset = window.start_wall - window.start  # wall minus monotonic, near the window
+        first_granted = _granted_at(first, ttl, now_wall, offset)
+        second_granted = _granted_at(second, ttl, now_wall, offset)
+        if (
+            first_granted <= window.end_wall + _SLACK
+            and first.end >= window.start
+            and second_granted >= window.start_wall - _SLACK
+        ):
+            return window
+    return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OverlapClasses:
+    """The overlapping pairs of a run, by what explains them."""
+
+    unpaused: tuple[Overlap, ...]
+    """Not explained: must be empty."""
+    after_data_loss: tuple[Overlap, ...]
+    paused: tuple[Overlap, ...]
+
+
+def classify_overlaps(
+    intervals: Iterable[Interval],
+    pauses: Iterable[Pause],
+    data_losses: Sequence[DataLoss],
+    ttl: float,
+    now_wall: float | None = None,
+) -> OverlapClasses:
+    """Split every overlapping pair of intervals into paused / after data loss / neither.
+
+    See the module documentation for the definitions; ``now_wall`` (default: now) is only
+    used to tell whether fencing tokens look like timestamps.
+    """
+    now = time.time() if now_wall is None else now_wall
+    by_holder = _pauses_by_holder(pauses)
+    unpaused: list[Overlap] = []
+    after_loss: list[Overlap] = []
+    paused: list[Overlap] = []
+    for overlap in measure_overlap(intervals, include_paused=True).overlaps:
+        first, second = overlap.first, overlap.second
+        if pause_of(first, by_holder, ttl) or pause_of(second, by_holder, ttl):
+            paused.append(overlap)
+        elif _excused_by(first, second, data_losses, ttl, now):
+            after_loss.append(overlap)
+        else:
+            unpaused.append(overlap)
+    return OverlapClasses(tuple(unpaused), tuple(after_loss), tuple(paused))
+
+
+# --------------------------------------------------------------------------------------
+# Latency
+# --------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank ``p``-th percentile (0 < p <= 100) of ``values``; nan if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _stats_ms(values: Sequence[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    return {
+        "n": len(values),
+        "p50_ms": round(percentile(values, 50) * 1000, 3),
+        "p99_ms": round(percentile(values, 99) * 1000, 3),
+        "max_ms": round(max(values) * 1000, 3),
+    }
+
+
+def _latencies(
+    record: RunRecord, windows: Sequence[DataLoss], now_wall: float
+) -> dict[str, list[float]]:
+    """Detection latencies in seconds, by ``deadline``, ``not_owner``, ``after_sigcont``."""
+    by_holder = _pauses_by_holder(record.pauses)
+    found: dict[str, list[float]] = {"deadline": [], "not_owner": [], "after_sigcont": []}
+    for report in record.rounds:
+        if report.reason is None or report.body_end is None or report.body_start is None:
+            continue
+        if report.fence is None:
+            continue
+        interval = Interval(
+            report.lock, report.worker, report.fence, report.body_start, report.body_end
+        )
+        pause = pause_of(interval, by_holder, record.ttl)
+        if pause is not None:
+            if report.body_end >= pause.end:
+                found["after_sigcont"].append(report.body_end - pause.end)
+            continue
+        if report.reason == "deadline" and report.safe_until is not None:
+            if report.body_end >= report.safe_until:
+                found["deadline"].append(report.body_end - report.safe_until)
+        elif report.reason == "not_owner" and report.lost_at is not None:
+            if report.lost_at > report.body_end + _SLACK:
+                continue  # noticed after the body had ended
+            granted = token_time(report.fence, now_wall)
+            latest: DataLoss | None = None
+            for window in windows:  # in time order: the last one that took the key away
+                granted_before = (
+                    granted <= window.end_wall + _SLACK
+                    if granted is not None
+                    else report.body_start - record.ttl <= window.end
+                )
+                if granted_before and window.start <= report.lost_at:
+                    latest = window
+            if latest is not None and report.body_end >= latest.end:
+                found["not_owner"].append(report.body_end - latest.end)
+    return found
+
+
+# --------------------------------------------------------------------------------------
+# The summary
+# --------------------------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
+
+
+def _pairs(overlaps: Sequence[Overlap]) -> dict[str, Any]:
+    longest = max((o.seconds for o in overlaps), default=0.0)
+    return {"count": len(overlaps), "max_ms": round(longest * 1000, 3)}
+
+
+def _counts(counter: Mapping[str, int]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in sorted(counter.items())) or "none"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Summary:
+    """The result of a chaos run: ``ok``, ``failures`` (why not), the figures and text."""
+
+    ok: bool
+    failures: tuple[str, ...]
+    data: Mapping[str, Any]
+    """The figures, JSON-able (``--json`` prints this)."""
+    lines: tuple[str, ...]
+    """The summary for humans."""
+    details: tuple[str, ...]
+    """What each failure was, in full (the first few of each kind)."""
+
+
+def summarize(record: RunRecord) -> Summary:
+    """Run every check over ``record`` and build the summary."""
+    now_wall = time.time()
+    ttl = record.ttl
+    failures: list[str] = []
+    details: list[str] = []
+
+    # -- faults ------------------------------------------------------------------------
+    by_kind: Counter[str] = Counter()
+    by_variant: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    errors = []
+    for injection in record.injections:
+        kind = str(injection.fault.kind)
+        if injection.done:
+            by_kind[kind] += 1
+            if injection.fault.variant:
+                by_variant[f"{kind}/{injection.fault.variant}"] += 1
+        elif injection.outcome.startswith("skipped"):
+            skipped[kind] += 1
+        else:
+            errors.append(f"{injection.fault.describe()}: {injection.outcome}")
+    if errors:
+        failures.append(f"the nemesis failed to inject {len(errors)} fault(s)")
+        details.extend(errors[:_SHOWN])
+    windows = [DataLoss.of(i) for i in record.injections if i.data_loss]
+    windows.sort(key=lambda w: w.start)
+
+    # -- acquisitions and errors -------------------------------------------------------
+    acquired = [r for r in record.rounds if r.body_start is not None]
+    per_lock = Counter(r.lock for r in acquired)
+    outcomes = Counter(r.outcome for r in record.rounds)
+    lost = Counter(str(r.reason) for r in record.rounds if r.outcome == "lost")
+    hidden = Counter(str(r.reason) for r in record.rounds if r.outcome != "lost" and r.reason)
+    round_errors = Counter(str(r.error) for r in record.rounds if r.outcome == "error")
+    unexpected = [r for r in record.rounds if r.outcome == "unexpected"]
+    if unexpected:
+        failures.append(f"{len(unexpected)} round(s) ended with an unexpected exception")
+        details.extend(f"{r.worker} on {r.lock!r}: {r.error}" for r in unexpected[:_SHOWN])
+    if not acquired:
+        failures.append("no worker ever acquired a lock")
+
+    # -- overlap -------------------------------------------------------------------------
+    classes = classify_overlaps(record.intervals, record.pauses, windows, ttl, now_wall)
+    if classes.unpaused:
+        failures.append(
+            f"{len(classes.unpaused)} overlapping pair(s) of holders that were not paused"
+        )
+        details.extend(str(o) for o in classes.unpaused[:_SHOWN])
+    by_holder = _pauses_by_holder(record.pauses)
+    steady = [i for i in record.intervals if pause_of(i, by_holder, ttl) is None]
+    fencing: list[FencingViolation] = check_fencing(steady)
+    if fencing:
+        failures.append(f"{len(fencing)} fencing token(s) out of order")
+        details.extend(str(v) for v in fencing[:_SHOWN])
+
+    # -- the fenced store ------------------------------------------------------------------
+    writes = [a for a in record.attempts if a.op == "write"]
+    accepted_writes = Counter(a.key for a in writes if a.accepted)
+    refused = sum(1 for a in record.attempts if not a.accepted)
+    if record.fenced_violations:
+        failures.append(f"{len(record.fenced_violations)} stale fenced write(s) accepted")
+        details.extend(str(v) for v in record.fenced_violations[:_SHOWN])
+    counters: dict[str, Any] = {}
+    mismatches = 0
+    for lock in record.locks:
+        key = f"counter:{lock}"
+        value = record.counters.get(lock, 0)
+        expected = accepted_writes.get(key, 0)
+        counters[lock] = {"value": value, "accepted_increments": expected}
+        for mismatch in check_counter(expected, value):
+            mismatches += 1
+            failures.append(f"counter of {lock!r}: {mismatch}")
+
+    # -- keys and workers -----------------------------------------------------------------
+    if record.keys_left:
+        failures.append(f"{len(record.keys_left)} lease key(s) left behind")
+        details.append("keys left: " + ", ".join(record.keys_left))
+    died = [o for o in record.outcomes if o.died is not None]
+    for outcome in died:
+        failures.append(f"{outcome.name} {outcome.died}")
+        details.extend(f"{outcome.name} stderr: {line}" for line in outcome.stderr_tail[-10:])
+    warnings: Counter[str] = Counter()
+    for outcome in record.outcomes:
+        warnings.update(outcome.stats.get("warnings", {}))
+
+    # -- latency --------------------------------------------------------------------------
+    latency = _latencies(record, windows, now_wall)
+
+    data: dict[str, Any] = {
+        "ok": not failures,
+        "seed": record.seed,
+        "workers": record.workers,
+        "seconds": record.seconds,
+        "locks": len(record.locks),
+        "ttl": ttl,
+        "engine": record.engine,
+        "faults": {
+            "scheduled": len(record.schedule),
+            "injected": sum(by_kind.values()),
+            "by_kind": dict(sorted(by_kind.items())),
+            "by_variant": dict(sorted(by_variant.items())),
+            "skipped": dict(sorted(skipped.items())),
+            "errors": len(errors),
+        },
+        "acquisitions": {"total": len(acquired), "by_lock": dict(sorted(per_lock.items()))},
+        "rounds": {"total": len(record.rounds), "by_outcome": dict(sorted(outcomes.items()))},
+        "errors": dict(sorted(round_errors.items())),
+        "unexpected_errors": len(unexpected),
+        "lock_lost": {"total": sum(lost.values()), "by_reason": dict(sorted(lost.items()))},
+        "lost_behind_body_error": dict(sorted(hidden.items())),
+        "overlap": {
+            "unpaused": _pairs(classes.unpaused),
+            "after_data_loss": _pairs(classes.after_data_loss),
+            "paused": _pairs(classes.paused),
+        },
+        "fencing_order_violations": len(fencing),
+        "fenced_writes": {
+            "accepted": sum(accepted_writes.values()),
+            "refused": refused,
+            "stale_accepted": len(record.fenced_violations),
+        },
+        "counters": counters,
+        "counter_mismatches": mismatches,
+        "keys_left": list(record.keys_left),
+        "workers_died": [o.name for o in died],
+        "warnings": dict(sorted(warnings.items())),
+        "detection_latency": {kind: _stats_ms(values) for kind, values in latency.items()},
+        "wall_seconds": round(record.wall_seconds, 3),
+        "failures": list(failures),
+    }
+    lines = _render(record, data, by_kind, by_variant, skipped)
+    return Summary(not failures, tuple(failures), data, tuple(lines), tuple(details))
+
+
+def _latency_text(stats: Mapping[str, Any]) -> str:
+    if not stats["n"]:
+        return "n=0"
+    return (
+        f"n={stats['n']} p50 {stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms, "
+        f"max {stats['max_ms']:.1f} ms"
+    )
+
+
+def _render(
+    record: RunRecord,
+    data: Mapping[str, Any],
+    by_kind: Counter[str],
+    by_variant: Counter[str],
+    skipped: Counter[str],
+) -> list[str]:
+    faults = data["faults"]
+    kinds = []
+    for kind in FaultKind:
+        count = by_kind.get(str(kind), 0)
+        variants = [
+            f"{variant.split('/', 1)[1]} {n}"
+            for variant, n in sorted(by_variant.items())
+            if variant.startswith(f"{kind}/")
+        ]
+        text = f"{kind} {count}"
+        if variants and count:
+            text += f" ({', '.join(variants)})"
+        if skipped.get(str(kind)):
+            text += f" [{skipped[str(kind)]} skipped]"
+        kinds.append(text)
+    acq = data["acquisitions"]
+    overlap = data["overlap"]
+    fenced = data["fenced_writes"]
+    counters = data["counters"]
+    latency = data["detection_latency"]
+    lost = data["lock_lost"]
+    mark = "  <- must be 0"
+
+    def must(value: int) -> str:
+        return mark if value else ""
+
+    counter_text = "; ".join(
+        f"{lock} {c['value']} = {c['accepted_increments']}" for lock, c in counters.items()
+    )
+    lines = [
+        f"asynclock chaos: seed {record.seed}, {record.workers} workers, "
+        f"{len(record.locks)} locks, ttl {record.ttl:g} s, {record.seconds:g} s on {record.engine}",
+        f"  faults injected      {faults['injected']} of {faults['scheduled']} scheduled: "
+        + ", ".join(kinds),
+        f"  acquisitions         {acq['total']}: "
+        + ", ".join(f"{lock} {n}" for lock, n in acq["by_lock"].items()),
+        f"  rounds               {data['rounds']['total']}: "
+        + _counts(data["rounds"]["by_outcome"]),
+        f"  errors (handled)     {_counts(data['errors'])}",
+        f"  LockLost             {lost['total']}: {_counts(lost['by_reason'])}",
+    ]
+    if data["lost_behind_body_error"]:
+        lines.append(
+            f"  lost, body error out {_counts(data['lost_behind_body_error'])}"
+            " (the body's own error propagated instead of LockLost)"
+        )
+    lines += [
+        f"  overlap, not paused  {overlap['unpaused']['count']} pairs"
+        + must(overlap["unpaused"]["count"]),
+        f"  allowed overlap after data loss: {overlap['after_data_loss']['count']} pairs, "
+        f"max {overlap['after_data_loss']['max_ms']:.0f} ms",
+        f"  overlap of paused holders (excused): {overlap['paused']['count']} pairs, "
+        f"max {overlap['paused']['max_ms']:.0f} ms",
+        f"  fencing order        {data['fencing_order_violations']} violations"
+        + must(data["fencing_order_violations"]),
+        f"  fenced writes        {fenced['accepted']} accepted, {fenced['refused']} stale "
+        f"refused, {fenced['stale_accepted']} stale accepted" + must(fenced["stale_accepted"]),
+        f"  counters exact       {counter_text}; {data['counter_mismatches']} mismatches"
+        + must(data["counter_mismatches"]),
+        f"  keys left behind     {len(data['keys_left'])}" + must(len(data["keys_left"])),
+        f"  workers died         {len(data['workers_died'])}" + must(len(data["workers_died"])),
+        f"  unexpected errors    {data['unexpected_errors']}" + must(data["unexpected_errors"]),
+        f"  detection latency    deadline -> body stopped: {_latency_text(latency['deadline'])}",
+        f"                       key lost -> body stopped (not_owner): "
+        f"{_latency_text(latency['not_owner'])}",
+        f"                       SIGCONT -> body stopped (stopped holder): "
+        f"{_latency_text(latency['after_sigcont'])}",
+        f"  asynclock warnings   {_counts(data['warnings'])}",
+        f"  wall time            {data['wall_seconds']:.1f} s",
+    ]
+    return lines

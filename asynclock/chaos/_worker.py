@@ -1,0 +1,348 @@
+"""A chaos worker process: contends for a few locks until told to stop.
+
+Started by the chaos run as ``python -c "from asynclock.chaos._worker import main; ..."``
+with one JSON argument (a :class:`WorkerConfig`). Each round it takes one of the locks
+(seeded choice) with :func:`asynclock.lease`, records its guarded interval in the shared
+:class:`~asynclock.testing.History`, does a few fenced read-increment-write steps on the
+lock's counter in the shared :class:`~asynclock.testing.FencedStore` (checking
+``await lock.is_held()`` before each), sometimes verifies the lease with Redis, and
+releases. Every error a fault can cause (``LockLost``, ``AcquireTimeout``, Redis and
+socket errors, a busy database) ends the round, is counted, and the next round starts.
+
+It reports to the parent on stdout, one JSON object per line: ``ready``, ``acquired``
+(when a body starts), ``round`` (how each round ended, with the times the detection
+latency is computed from) and, last, ``final`` (its counters). It stops when its stdin
+reaches EOF: a round in its body may finish (up to 3 TTLs), an acquire in progress is
+cancelled. It never outlives the parent: on Linux it asks the kernel for ``SIGKILL`` when
+the parent dies (``PR_SET_PDEATHSIG``), which also reaches a worker stopped by
+``SIGSTOP``, and stdin EOF covers the rest.
+
+Design note: the store's SQLite calls run in worker threads (``abandon_on_cancel``), not
+on the event loop. A worker stopped by ``SIGSTOP`` inside a SQLite transaction holds the
+database's write lock for the length of its pause; done on the loop, another worker's
+next call would block its event loop for that long, its lease would then outlive its
+deadline without the body being cancelled, and the run would report an overlap that is
+an artefact of the test fixture, not of asynclock. In a thread, the body stays
+cancellable; a call abandoned by a cancellation completes in the background, and
+fencing decides whether it lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import signal
+import sqlite3
+import sys
+import time
+import traceback
+from collections import Counter
+from typing import Any, Final
+
+import anyio.to_thread
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+import asynclock
+from asynclock.testing import FencedStore, Guard, History
+
+__all__ = ["WorkerConfig", "counter_key", "main"]
+
+_PR_SET_PDEATHSIG: Final = 1
+_STOP_GRACE: Final = 3.0  # TTLs a round in its body may take to finish after a stop
+_STEPS: Final = (2, 5)  # fenced increments per round
+_STEP_SLEEP: Final = (0.02, 0.12)  # TTLs slept after each increment
+_READ_WRITE_PAUSE: Final = (0.002, 0.02)  # seconds between an increment's read and write
+_BETWEEN_ROUNDS: Final = (0.0, 0.15)  # TTLs slept between rounds
+_VERIFY: Final = 0.25  # share of rounds that verify the lease with Redis before leaving
+
+
+_WARNINGS: Final = (  # (text in an asynclock warning, the key it is counted under)
+    ("stall", "event loop stall"),
+    ("lost:", "lease lost"),
+    ("not handed out", "acquire answered too late"),
+    ("could not undo", "abandoned acquire not undone"),
+    ("did not complete", "release not completed"),
+)
+
+
+def counter_key(lock: str) -> str:
+    """The key of the fenced counter that lock ``lock`` guards in the store."""
+    return f"counter:{lock}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What one worker process is told (as JSON on its command line). Times in seconds."""
+
+    index: int
+    name: str
+    url: str
+    locks: tuple[str, ...]
+    ttl: float
+    seed: int
+    history: str
+    store: str
+    parent_pid: int
+    prefix: str = "asynclock:"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        data = json.loads(text)
+        data["locks"] = tuple(data["locks"])
+        return cls(**data)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit if it already has."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+class _Reporter:
+    """Writes one JSON line per message to stdout (the parent's pipe)."""
+
+    def __init__(self) -> None:
+        self._out = sys.stdout.buffer
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"k": kind, "t": time.monotonic(), **fields}, separators=(",", ":"))
+        try:
+            self._out.write(line.encode() + b"\n")
+            self._out.flush()
+        except (OSError, ValueError):  # the parent is gone: PDEATHSIG / stdin EOF stop us
+            pass
+
+
+class _CountWarnings(logging.Handler):
+    """Counts asynclock's warnings by their first words (stall, undo, release, lost...)."""
+
+    def __init__(self, counts: Counter[str]) -> None:
+        super().__init__(logging.WARNING)
+        self._counts = counts
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().removeprefix("asynclock: ")
+        known = (key for needle, key in _WARNINGS if needle in text)
+        generic = " ".join(re.sub(r"'[^']*'", "*", text).split()[:5])
+        self._counts[next(known, generic)] += 1
+
+
+@dataclasses.dataclass(slots=True)
+class _Round:
+    """What one round saw; sent to the parent as a ``round`` message."""
+
+    lock: str
+    fence: int | None = None
+    outcome: str = "cancelled"
+    reason: str | None = None
+    error: str | None = None
+    body_start: float | None = None
+    body_end: float | None = None
+    safe_until: float | None = None
+    lost_at: float | None = None
+    increments: int = 0
+    refused: int = 0
+
+    def message(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.rng = random.Random(f"asynclock-chaos:{config.seed}:{config.index}")
+        self.report = _Reporter()
+        self.stats: Counter[str] = Counter()
+        self.warnings: Counter[str] = Counter()
+        self.in_body = False
+        self.client = Redis.from_url(
+            config.url,
+            socket_timeout=max(1.0, 2 * config.ttl),
+            socket_connect_timeout=1.0,
+            retry=Retry(ExponentialBackoff(cap=0.25, base=0.02), 2),
+        )
+        self.history = History(config.history)
+        self.store = FencedStore(config.store, busy_timeout=10.0)
+
+    async def run(self) -> int:
+        handler = _CountWarnings(self.warnings)
+        logger = logging.getLogger("asynclock")
+        logger.addHandler(handler)
+        logger.propagate = False
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_wait_for_eof(stop))
+        self.report("ready", pid=os.getpid())
+        try:
+            while not stop.is_set():
+                await self._one_round(stop)
+                if not stop.is_set():
+                    pause = self.rng.uniform(*_BETWEEN_ROUNDS) * self.config.ttl
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(pause):
+                            await stop.wait()
+        finally:
+            watcher.cancel()
+            await asyncio.wait({watcher})
+            await self.client.aclose()
+            self.store.close()
+            self.history.close()
+            stats = {**self.stats, "warnings": dict(self.warnings)}
+            self.report("final", stats=stats)
+        return 0
+
+    async def _one_round(self, stop: asyncio.Event) -> None:
+        """Run one round as a task, so that a stop can cancel it (or let its body finish)."""
+        task = asyncio.create_task(self._round())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                grace = _STOP_GRACE * self.config.ttl if self.in_body else 0.0
+                await asyncio.wait({task}, timeout=grace)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        finally:
+            stopping.cancel()
+            await asyncio.wait({stopping})
+
+    def _hook(self, state: _Round) -> asynclock.EventHook:
+        history = self.history
+
+        def hook(event: asynclock.LeaseEvent) -> None:
+            history.on_event(event)
+            if event.kind is asynclock.LeaseEventKind.LOST and state.lost_at is None:
+                state.lost_at = event.at
+            self.stats[f"event:{event.kind}"] += 1
+
+        return hook
+
+    async def _round(self) -> None:
+        config = self.config
+        lock_name = self.rng.choice(config.locks)
+        steps = self.rng.randint(*_STEPS)
+        verify = self.rng.random() < _VERIFY
+        state = _Round(lock_name)
+        self.stats["rounds"] += 1
+        lock: asynclock.Lease | None = None
+        guard: Guard | None = None
+        try:
+            async with asynclock.lease(
+                self.client,
+                lock_name,
+                ttl=config.ttl,
+                blocking_timeout=3 * config.ttl,
+                release_timeout=config.ttl,
+                prefix=config.prefix,
+                on_event=self._hook(state),
+            ) as lock:
+                state.fence = lock.fencing_token
+                self.in_body = True
+                try:
+                    with self.history.guard_lease(lock, config.name) as guard:
+                        self.report("acquired", lock=lock_name, fence=lock.fencing_token)
+                        await self._body(lock, state, steps, verify)
+                finally:
+                    self.in_body = False
+            state.outcome = "released"
+        except asynclock.LockLost as exc:
+            state.outcome, state.reason = "lost", exc.reason.value
+        except asynclock.AcquireTimeout:
+            state.outcome = "timeout"
+        except (RedisError, OSError, sqlite3.Error) as exc:  # TimeoutError is an OSError
+            state.outcome, state.error = "error", type(exc).__name__
+            lost = lock is not None and lock.lost_reason is not None
+            if lost and lock is not None and lock.lost_reason is not None:
+                state.reason = lock.lost_reason.value  # the body's error came out instead
+        except asyncio.CancelledError:
+            state.outcome = "cancelled"
+            raise
+        except Exception as exc:
+            state.outcome, state.error = "unexpected", repr(exc)
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            if guard is not None and guard.interval is not None:
+                state.body_start, state.body_end = guard.interval.start, guard.interval.end
+            if lock is not None:
+                state.safe_until = lock.safe_until
+            self.stats[f"outcome:{state.outcome}"] += 1
+            if state.reason is not None:
+                self.stats[f"lost:{state.reason}"] += 1
+            if state.error is not None:
+                self.stats[f"error:{state.error}"] += 1
+            self.report("round", **state.message())
+
+    async def _body(self, lock: asynclock.Lease, state: _Round, steps: int, verify: bool) -> None:
+        ttl = self.config.ttl
+        for _ in range(steps):
+            if not await lock.is_held():
+                self.stats["is_held_false"] += 1
+                return
+            if await self._increment(lock):
+                state.increments += 1
+            else:
+                state.refused += 1
+            await asyncio.sleep(self.rng.uniform(*_STEP_SLEEP) * ttl)
+        if verify and not await lock.is_held(verify=True):
+            self.stats["verify_false"] += 1
+
+    async def _increment(self, lock: asynclock.Lease) -> bool:
+        """``FencedStore.increment(key, fencing_token=...)``, with each SQLite call in a
+        thread (see the module's design note): claim, read, pause, write."""
+        store, key, token = self.store, counter_key(lock.name), lock.fencing_token
+        holder = self.config.name
+
+        def claim_and_read() -> int | None:
+            if not store.claim(key, token, holder=holder):
+                return None
+            return store.read_int(key)
+
+        value = await anyio.to_thread.run_sync(claim_and_read, abandon_on_cancel=True)
+        if value is None:
+            return False
+        await asyncio.sleep(self.rng.uniform(*_READ_WRITE_PAUSE))
+
+        def write() -> bool:
+            return store.write(key, value + 1, token, holder=holder)
+
+        return await anyio.to_thread.run_sync(write, abandon_on_cancel=True)
+
+
+async def _wait_for_eof(stop: asyncio.Event) -> None:
+    """Set ``stop`` once stdin reaches EOF (the parent closed it, or died)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    pipe = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    try:
+        while await reader.read(4096):
+            pass
+    finally:
+        transport.close()
+        stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a worker process; ``argv[0]`` is a :class:`WorkerConfig` as JSON."""
+    args = sys.argv[1:] if argv is None else argv
+    config = WorkerConfig.from_json(args[0])
+    _die_with_parent(config.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's
+    return asyncio.run(_Worker(config).run())
