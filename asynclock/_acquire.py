@@ -23,7 +23,7 @@ import random
 import secrets
 from typing import Final, NamedTuple
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
 
 from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
@@ -154,11 +154,17 @@ class Acquisition:
         keys = [options.key, options.fence_key, options.void_key(self._token)]
         args: list[Arg] = [self._token, options.ttl_ms, max(_DAY_MS, 10 * options.ttl_ms)]
         before = cancelling()
+        client = self._companion.client
         may_have_landed = False
         while True:
             t_send = self._loop.time()
             try:
-                reply = await ACQUIRE(self._companion.client, keys, args)
+                try:
+                    reply = await ACQUIRE(client, keys, args)
+                except MaxConnectionsError:  # the caller's pool is full: nothing was sent
+                    client = self._companion.overflow()
+                    t_send = self._loop.time()
+                    reply = await ACQUIRE(client, keys, args)
                 break
             except UNKNOWN_OUTCOME:
                 if not may_have_landed:
@@ -199,7 +205,7 @@ class Acquisition:
             options.channel,
             companion.room.origin,
         ]
-        undo = run_idempotent(ABANDON, companion.client, companion.renewer, keys, args)
+        undo = run_idempotent(ABANDON, companion.client, companion.overflow, keys, args)
         try:
             await finish(undo, options.release_timeout)
         except asyncio.CancelledError:

@@ -5,7 +5,8 @@ on the hot path). Renewals must not queue behind the application's traffic, so t
 over a dedicated pool built from the same *connection settings* (never from the pool's
 internal objects), with redis-py's retries turned off: the watchdog retries by itself,
 against its deadline. Release falls back to that pool when the caller's pool fails (an
-exhausted pool raises at once in redis-py 8).
+exhausted pool raises at once in redis-py 8), and acquires go to a small pool of its own
+that queues instead of failing when the caller's pool is exhausted.
 
 One :class:`Companion` exists per user client and event loop. It is in use while any lease
 or waiter of that client is alive; when the last one leaves, its connections are closed,
@@ -21,7 +22,7 @@ import weakref
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.connection import ConnectionPool
+from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -65,6 +66,9 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
     return pool.connection_class, settings
 
 
+_OVERFLOW_CONNECTIONS = 32
+
+
 def _no_retry() -> Retry:
     return Retry(NoBackoff(), 0)
 
@@ -78,6 +82,7 @@ class Companion:
         self.connection_class, self.settings = connection_settings(client)
         self.room = WaitingRoom(self.connection_class, self.settings)
         self._renewer: Redis | None = None
+        self._overflow: Redis | None = None
         self.watchdog = Watchdog(loop, self.renewer)
         self._users = 0
         self._eviction_check: asyncio.Task[None] | None = None
@@ -97,7 +102,8 @@ class Companion:
             self.watchdog.idle()
         check = self._eviction_check
         checking = check is not None and not check.done()
-        busy = self._renewer is not None or self.room.open or self.watchdog.running or checking
+        clients = self._renewer is not None or self._overflow is not None
+        busy = clients or self.room.open or self.watchdog.running or checking
         return self._users == 0 and busy
 
     def renewer(self) -> Redis:
@@ -108,6 +114,24 @@ class Companion:
             )
             self._renewer = Redis.from_pool(pool)
         return self._renewer
+
+    def overflow(self) -> Redis:
+        """A small pool that waits for a free connection (created on first use, retries off).
+
+        Acquires and releases go here when the caller's pool is exhausted (redis-py 8
+        raises at once instead of waiting), and releases retry here after a connection
+        error, so a burst of thousands of leases queues instead of failing.
+        """
+        if self._overflow is None:
+            pool = BlockingConnectionPool(
+                connection_class=self.connection_class,
+                max_connections=_OVERFLOW_CONNECTIONS,
+                timeout=None,
+                **self.settings,
+                retry=_no_retry(),
+            )
+            self._overflow = Redis.from_pool(pool)
+        return self._overflow
 
     def check_eviction_once(self) -> None:
         """Warn once per client if the server may evict lock keys (in the background).
@@ -131,9 +155,10 @@ class Companion:
             with contextlib.suppress(asyncio.CancelledError):
                 await check
         await self.watchdog.aclose()
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            await renewer.aclose()
+        for client in (self._renewer, self._overflow):
+            if client is not None:
+                await client.aclose()
+        self._renewer = self._overflow = None
         await self.room.aclose()
 
 

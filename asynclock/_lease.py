@@ -177,7 +177,7 @@ class Lease:
         before = cancelling()
         companion = self._companion
         async with asyncio.timeout(self.time_left):
-            value = await run_idempotent(_GET, companion.client, companion.renewer, [self.key], [])
+            value = await run_idempotent(_GET, companion.client, companion.overflow, [self.key], [])
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if _text(value) != self._value:
@@ -413,7 +413,7 @@ class LeaseContext:
 async def _release(held: Lease) -> bool:
     companion = held._companion
     args: list[Arg] = [held._value, held._options.channel, companion.room.origin]
-    reply = await run_idempotent(RELEASE, companion.client, companion.renewer, [held.key], args)
+    reply = await run_idempotent(RELEASE, companion.client, companion.overflow, [held.key], args)
     return bool(reply == 1)
 
 

@@ -220,3 +220,28 @@ async def test_a_watchdog_bug_is_a_loss_not_silence(
             await anyio.sleep_forever()
     assert caught.value.reason is LossReason.WATCHDOG_FAILED
     assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+async def test_a_burst_larger_than_the_pool_queues_instead_of_failing(
+    redis_server: Any, make_client: Any, prefix: str
+):
+    """1,000 leases acquired at once through a pool capped at 100 connections (which
+    raises when full) all succeed: the overflow queues on asynclock's own small pool."""
+    from asynclock.testing import keys_left
+
+    client: Redis = make_client(redis_server.url, max_connections=100)
+    inside = 0
+    all_in = asyncio.Event()
+
+    async def one(i: int) -> None:
+        nonlocal inside
+        async with asynclock.lease(client, f"burst{i}", ttl=5, prefix=prefix, blocking=False):
+            inside += 1
+            if inside == 1000:
+                all_in.set()
+            await all_in.wait()
+
+    async with asyncio.timeout(30):
+        await asyncio.gather(*(one(i) for i in range(1000)))
+    assert inside == 1000
+    assert await keys_left(client, prefix) == []
