@@ -172,7 +172,8 @@ class Watchdog:
         loop = self._loop
         client = self._renewer()
         t_send = loop.time()
-        limit = min(min(lease.safe_until for lease in batch) - t_send, batch[0].ttl / 3)
+        earliest = min(lease.safe_until for lease in batch)
+        limit = min(earliest - t_send, min(lease.ttl for lease in batch) / 3)
         async with asyncio.timeout(max(limit, 0.0)):
             if len(batch) == 1:
                 lease = batch[0]
