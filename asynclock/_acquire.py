@@ -49,13 +49,14 @@ class Grant(NamedTuple):
 class Acquisition:
     """One acquire: a single attempt, or the wait in the local line until one succeeds."""
 
-    __slots__ = ("_companion", "_loop", "_options", "_token")
+    __slots__ = ("_companion", "_landed", "_loop", "_options", "_token")
 
     def __init__(self, companion: Companion, options: LeaseOptions) -> None:
         self._companion = companion
         self._options = options
         self._loop = companion.loop
         self._token = secrets.token_hex(16)
+        self._landed = False  # our key is (or may be) set but not handed out
 
     async def run(self) -> Grant:
         """Acquire, by one attempt or by waiting in line, as the options say.
@@ -63,19 +64,24 @@ class Acquisition:
         Raises:
             LockBusy: ``blocking=False`` and another owner holds the lock.
             AcquireTimeout: ``blocking_timeout`` passed, or (non-blocking) Redis answered
-                so late that too little of the TTL was left to hand the lease out.
+                so late, twice, that too little of the TTL was left to hand the lease out.
             redis.exceptions.RedisError: Redis refused or stayed unreachable.
         """
         options = self._options
-        if options.blocking:
-            return await self._wait()
-        status, value, t_send = await self._attempt()
-        if status != 1:
-            raise LockBusy(options.name, value / 1000 if value >= 0 else None)
-        granted = await self._grant(value, t_send)
-        if granted is None:
+        try:
+            if options.blocking:
+                return await self._wait()
+            for _ in range(2):
+                status, value, t_send = await self._attempt()
+                if status != 1:
+                    raise LockBusy(options.name, value / 1000 if value >= 0 else None)
+                if self._usable(t_send):
+                    return Grant(self._token, value, t_send)
             raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
-        return granted
+        except BaseException:
+            if self._landed:  # we hold the key but never handed it out
+                await self._abandon()
+            raise
 
     async def _wait(self) -> Grant:
         options = self._options
@@ -94,10 +100,12 @@ class Acquisition:
                     waiter.event.clear()
                     status, value, t_send = await self._attempt()
                     if status == 1:
-                        granted = await self._grant(value, t_send)
-                        if granted is not None:
+                        if self._usable(t_send):
+                            granted = Grant(self._token, value, t_send)
                             return granted
-                        waiter.event.set()
+                        if deadline is not None and self._loop.time() >= deadline:
+                            raise AcquireTimeout(options.name, timeout or 0.0, "Redis is slow")
+                        waiter.event.set()  # try again at once: it refreshes our own key
                         continue
                     if not subscribed:
                         subscribed = True
@@ -126,21 +134,27 @@ class Acquisition:
         pttl = pttl_ms / 1000
         return pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
 
-    async def _grant(self, fencing_token: int, t_send: float) -> Grant | None:
-        """The grant of a successful attempt, or None if too little validity is left."""
+    def _usable(self, t_send: float) -> bool:
+        """Whether a successful attempt sent at ``t_send`` leaves enough validity to use.
+
+        If the reply came so late that less than a third of the TTL is left, the lease is
+        not handed out; the caller tries again with the same token, which refreshes our
+        own key in one round trip (no release and re-acquire that would add load to a
+        server that is already slow).
+        """
         ttl = self._options.ttl
         left = t_send + ttl - drift_for(ttl) - self._loop.time()
         if left >= ttl / 3:
-            return Grant(self._token, fencing_token, t_send)
+            self._landed = False
+            return True
+        self._landed = True
         log.warning(
-            "asynclock: acquire of %r took %.3fs of a %.3fs ttl; not handed out",
+            "asynclock: acquire of %r took %.3fs of a %.3fs ttl; refreshing before use",
             self._options.name,
             self._loop.time() - t_send,
             ttl,
         )
-        await self._abandon()
-        self._token = secrets.token_hex(16)  # the old one is tombstoned; try afresh
-        return None
+        return False
 
     async def _attempt(self) -> tuple[int, int, float]:
         """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
@@ -218,6 +232,7 @@ class Acquisition:
                 exc,
             )
         finally:
+            self._landed = False
             companion.room.wake(options.channel)  # the key may be gone: let our line try
 
 

@@ -653,3 +653,33 @@ async def test_paused_holder_process_is_fenced_off(
             child.kill()
             await child.wait()
         store.close()
+
+
+async def test_an_acquire_answered_too_late_is_not_handed_out(
+    private_server: RedisServer, prefix: str
+):
+    """An acquire whose reply leaves under a third of the TTL is not handed out: it is
+    refreshed with the same token while the caller waits, and undone if time runs out."""
+    ttl = 0.6
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        try:
+            await client.ping()
+            proxy.set_mode(ProxyMode.DELAY, delay=0.25)  # round trip 0.5 s of a 0.6 s ttl
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with asynclock.lease(
+                    client, "late", ttl=ttl, prefix=prefix, blocking_timeout=1.5
+                ):
+                    pytest.fail("a lease with too little validity left was handed out")
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with asynclock.lease(client, "late", ttl=ttl, prefix=prefix, blocking=False):
+                    pytest.fail("a lease with too little validity left was handed out")
+            assert await observer.exists(prefix + "{late}") == 0  # undone, nothing left
+            proxy.set_mode(ProxyMode.DELAY, delay=0.05)  # round trip 0.1 s: fine
+            async with asynclock.lease(client, "late", ttl=ttl, prefix=prefix) as lock:
+                assert lock.time_left > ttl / 3
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await client.aclose()
+            await observer.aclose()
