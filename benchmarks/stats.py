@@ -1,0 +1,80 @@
+"""Percentiles, medians, Jain's index, and the analysis of a contention event log."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+__all__ = ["Hold", "contention_metrics", "jain", "median", "percentile"]
+
+
+class Hold(NamedTuple):
+    """One turn of one contender: stamped when it got in and just before it released."""
+
+    t_in: float  # time.monotonic() right after the acquire returned
+    t_release: float  # time.monotonic() just before the release call
+    contender: int
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, interpolating linearly; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of the finite values, NaN when there are none."""
+    finite = [v for v in values if not math.isnan(v)]
+    return percentile(finite, 0.5)
+
+
+def jain(counts: Sequence[float]) -> float:
+    """Jain's fairness index: 1.0 when all equal, 1/n when one contender had everything."""
+    total = sum(counts)
+    squares = sum(c * c for c in counts)
+    if not counts or squares == 0:
+        return math.nan
+    return total * total / (len(counts) * squares)
+
+
+def contention_metrics(
+    holds: Iterable[Hold], start: float, end: float, contenders: int
+) -> dict[str, float]:
+    """Figures of a contention run from the turns whose entry fell in ``[start, end]``.
+
+    - ``acquisitions_per_s``: turns per second.
+    - ``handoffs_per_s``: turns taken by a contender other than the previous holder.
+    - ``retake``: fraction of consecutive turns where the releaser took the lock again.
+    - ``jain``: Jain's index over the turns of each of the ``contenders``.
+    - ``latency_p50_us`` / ``latency_p99_us``: from the previous holder's release call to
+      the next (different) holder's entry, in microseconds.
+    - ``overlaps``: turns that began before the previous one released (must be 0).
+    """
+    turns = sorted(h for h in holds if start <= h.t_in <= end)
+    window = end - start
+    pairs = list(itertools.pairwise(turns))
+    latencies = [
+        (nxt.t_in - prev.t_release) * 1e6 for prev, nxt in pairs if nxt.contender != prev.contender
+    ]
+    retakes = sum(1 for prev, nxt in pairs if nxt.contender == prev.contender)
+    overlaps = sum(1 for prev, nxt in pairs if nxt.t_in < prev.t_release)
+    per_contender = [0] * contenders
+    for turn in turns:
+        per_contender[turn.contender] += 1
+    return {
+        "acquisitions": float(len(turns)),
+        "acquisitions_per_s": len(turns) / window,
+        "handoffs_per_s": len(latencies) / window,
+        "retake": retakes / len(pairs) if pairs else math.nan,
+        "jain": jain(per_contender),
+        "latency_p50_us": percentile(latencies, 0.50),
+        "latency_p99_us": percentile(latencies, 0.99),
+        "overlaps": float(overlaps),
+    }
