@@ -106,11 +106,23 @@ class Companion:
         busy = clients or self.room.open or self.watchdog.running or checking
         return self._users == 0 and busy
 
+    def pack(self, *args: str | int) -> bytes:
+        """One command in RESP, encoded as this client's connections would encode it."""
+        encoding = self.settings.get("encoding", "utf-8")
+        errors = self.settings.get("encoding_errors", "strict")
+        parts = [f"*{len(args)}\r\n".encode()]
+        for arg in args:
+            data = str(arg).encode(encoding, errors)
+            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        return b"".join(parts)
+
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""
         if self._renewer is None:
+            # No socket timeout: every renewal has a time limit of its own.
+            settings = {**self.settings, "socket_timeout": None}
             pool = ConnectionPool(
-                connection_class=self.connection_class, **self.settings, retry=_no_retry()
+                connection_class=self.connection_class, **settings, retry=_no_retry()
             )
             self._renewer = Redis.from_pool(pool)
         return self._renewer

@@ -80,10 +80,10 @@ class Lease:
         "_lost_reason",
         "_options",
         "_renew_args",
+        "_renew_packed",
         "_safe_until",
         "_scope",
         "_state",
-        "_timer",
         "_value",
         "fencing_token",
         "token",
@@ -113,10 +113,12 @@ class Lease:
         self._lost_reason: LossReason | None = None
         self._lost_cause: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._due: float | None = None  # when the watchdog renews next (loop time)
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
         self._renew_args: Final = (self._value, options.ttl_ms)
+        self._renew_packed: Final = companion.pack(
+            "EVALSHA", RENEW.sha, 1, options.key, self._value, options.ttl_ms
+        )
         self._closing = False
 
     # -- what the holder sees -----------------------------------------------------------
@@ -213,6 +215,10 @@ class Lease:
     def _active(self) -> bool:
         return self._state in _ACTIVE and not self._closing
 
+    @property
+    def _state_active(self) -> bool:
+        return self._state in _ACTIVE
+
     def _held_locally(self) -> bool:
         return self._state in _ACTIVE and self._loop.time() < self._safe_until
 
@@ -230,23 +236,15 @@ class Lease:
     def _start(self, scope: anyio.CancelScope) -> None:
         """Arm the deadline timer and schedule the first renewal (no await in between)."""
         self._scope = scope
-        self._arm()
-        self._companion.watchdog.schedule(self, self._last_send + self.ttl / 3)
-
-    def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_at(self._safe_until, self._on_deadline)
+        watchdog = self._companion.watchdog
+        watchdog.watch_deadline(self)
+        watchdog.schedule(self, self._last_send + self.ttl / 3)
 
     def _on_deadline(self) -> None:
-        self._timer = None
+        """Called by the watchdog's deadline timer once ``safe_until`` has passed."""
         if self._state not in _ACTIVE or self._closing:
             return  # ended, or the block finished in time and is being released
-        now = self._loop.time()
-        if now < self._safe_until - 0.001:  # fired early (never expected): wait again
-            self._arm()
-            return
-        report_stall(self, self._safe_until, now, "the deadline")
+        report_stall(self, self._safe_until, self._loop.time(), "the deadline")
         self._lose(LossReason.DEADLINE, self._lost_cause)
 
     async def _renew_once(self, limit: float) -> bool:
@@ -272,9 +270,8 @@ class Lease:
             return False
         safe_until = t_send + self.ttl - drift_for(self.ttl)
         if safe_until > self._safe_until:
-            self._safe_until = safe_until
+            self._safe_until = safe_until  # the deadline timer looks again when it fires
             self._last_send = t_send
-            self._arm()
         self._state = LeaseState.HELD
         self._lost_cause = None
         self._event(LeaseEventKind.RENEWED)
@@ -299,18 +296,12 @@ class Lease:
         self._state = LeaseState.LOST
         self._lost_reason = reason
         self._lost_cause = cause
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if self._scope is not None:
             self._scope.cancel()
         log.warning("asynclock: lease %r lost: %s", self.name, reason.value)
         self._event(LeaseEventKind.LOST, reason.value)
 
     def _end(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if self._state in _ACTIVE:
             self._state = LeaseState.RELEASED
 

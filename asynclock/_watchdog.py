@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ._scripts import RENEW
 
@@ -50,7 +50,7 @@ __all__ = ["Watchdog", "report_stall"]
 
 log = logging.getLogger("asynclock")
 
-_WINDOW: Final = 0.005  # seconds: renewals due this close together travel in one pipeline
+_WINDOW: Final = 0.05  # seconds (at most ttl/30): renewals due this close travel together
 _BATCH: Final = 1000  # most renewals in one pipeline
 
 
@@ -74,15 +74,14 @@ def report_stall(lease: Lease, due: float, now: float, what: str) -> None:
 
 
 class Watchdog:
-    """Renews the leases of one client; see the module's design note."""
+    """Renews the leases of one client and watches their deadlines; see the design note."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, renewer: Callable[[], Redis]) -> None:
         self._loop = loop
         self._renewer = renewer
-        self._due: list[tuple[float, int, Lease]] = []  # (due time, tie-breaker, lease)
         self._order = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
+        self._due = _Timeline(loop, self._fire)  # when each lease renews next
+        self._deadlines = _Timeline(loop, self._check_deadlines)  # each lease's safe_until
         self._batches: set[asyncio.Task[None]] = set()
 
     @property
@@ -93,16 +92,20 @@ class Watchdog:
     def schedule(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at loop time ``due`` (replacing any earlier schedule of it)."""
         lease._due = due
-        heapq.heappush(self._due, (due, next(self._order), lease))
-        if due < self._timer_at:
-            self._arm(due)
+        self._due.add(due, next(self._order), lease)
+
+    def watch_deadline(self, lease: Lease) -> None:
+        """Call ``lease._on_deadline()`` once its ``safe_until`` has passed.
+
+        One entry per lease: when it comes up and the lease was renewed meanwhile, it is
+        put back at the new ``safe_until``; a renewal costs no timer of its own.
+        """
+        self._deadlines.add(lease.safe_until, next(self._order), lease)
 
     def idle(self) -> None:
         """No lease of the client is held any more: forget every schedule."""
         self._due.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = None, math.inf
+        self._deadlines.clear()
 
     async def aclose(self) -> None:
         """Stop renewing and wait for renewals in flight to be cancelled."""
@@ -114,28 +117,36 @@ class Watchdog:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _arm(self, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = self._loop.call_at(at, self._fire), at
+    def _check_deadlines(self, now: float) -> None:
+        timeline = self._deadlines
+        while timeline.entries and timeline.entries[0][0] <= now:
+            _, _, lease = heapq.heappop(timeline.entries)
+            if lease._state_active:
+                if lease.safe_until > now:
+                    timeline.entries_push(lease.safe_until, next(self._order), lease)
+                else:
+                    lease._on_deadline()
+        timeline.rearm(now)
 
-    def _fire(self) -> None:
+    def _fire(self, now: float) -> None:
         """The earliest renewal is due: send every renewal due within the window."""
-        self._timer, self._timer_at = None, math.inf
-        now = self._loop.time()
+        timeline = self._due
         batch: list[Lease] = []
-        while self._due:
-            due, _, lease = self._due[0]
+        window = 0.0
+        while timeline.entries:
+            due, _, lease = timeline.entries[0]
             if lease._due != due or not lease._active:
-                heapq.heappop(self._due)  # a stale entry, or an ended lease
+                heapq.heappop(timeline.entries)  # a stale entry, or an ended lease
                 continue
-            if due > now + _WINDOW or len(batch) >= _BATCH:
-                self._arm(max(due, now))
+            if not batch:
+                window = min(_WINDOW, lease.ttl / 30)
+            if due > now + window or len(batch) >= _BATCH:
                 break
-            heapq.heappop(self._due)
+            heapq.heappop(timeline.entries)
             lease._due = None
             report_stall(lease, due, now, "the renewal")
             batch.append(lease)
+        timeline.rearm(now)
         if batch:
             task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
             self._batches.add(task)
@@ -144,7 +155,7 @@ class Watchdog:
     async def _renew(self, batch: list[Lease]) -> None:
         """One attempt for each lease of ``batch``; never raises (failures are per lease)."""
         try:
-            replies = await self._send(batch)
+            t_send, replies = await self._send(batch)
         except asyncio.CancelledError:
             raise
         except (RedisError, OSError, TimeoutError) as exc:
@@ -155,7 +166,7 @@ class Watchdog:
             for lease in batch:
                 lease._fail(exc)
             return
-        for lease, (t_send, reply) in zip(batch, replies, strict=True):
+        for lease, reply in zip(batch, replies, strict=True):
             if not lease._active:
                 continue
             if isinstance(reply, BaseException):
@@ -167,31 +178,26 @@ class Watchdog:
             else:
                 lease._renewal_refused()
 
-    async def _send(self, batch: list[Lease]) -> list[tuple[float, object]]:
-        """Send the batch's renewals; per lease: (t_send, reply or per-command error)."""
+    async def _send(self, batch: list[Lease]) -> tuple[float, list[object]]:
+        """Send the batch's renewals in one write; returns t_send and a reply (or the
+        per-command error) per lease. Raises on a connection error or the time limit."""
         loop = self._loop
-        client = self._renewer()
         t_send = loop.time()
         earliest = min(lease.safe_until for lease in batch)
         limit = min(earliest - t_send, min(lease.ttl for lease in batch) / 3)
+        client = self._renewer()
         async with asyncio.timeout(max(limit, 0.0)):
-            if len(batch) == 1:
-                lease = batch[0]
-                return [(t_send, await RENEW(client, [lease.key], lease._renew_args))]
-            pipe = client.pipeline(transaction=False)
-            for lease in batch:
-                pipe.evalsha(RENEW.sha, 1, lease.key, *lease._renew_args)
-            replies: list[object] = await pipe.execute(raise_on_error=False)
-            if not any(isinstance(r, NoScriptError) for r in replies):
-                return [(t_send, r) for r in replies]
-            # A restarted or failed-over server forgot the script: load it, send again.
-            await client.script_load(RENEW.source)
-            t_send = loop.time()
-            pipe = client.pipeline(transaction=False)
-            for lease in batch:
-                pipe.evalsha(RENEW.sha, 1, lease.key, *lease._renew_args)
-            replies = await pipe.execute(raise_on_error=False)
-            return [(t_send, r) for r in replies]
+            replies = await _exchange(
+                client, b"".join(lease._renew_packed for lease in batch), len(batch)
+            )
+            if any(isinstance(r, NoScriptError) for r in replies):
+                # A restarted or failed-over server forgot the script: load it, send again.
+                await client.script_load(RENEW.source)
+                t_send = loop.time()
+                replies = await _exchange(
+                    client, b"".join(lease._renew_packed for lease in batch), len(batch)
+                )
+        return t_send, replies
 
     def _retry(self, lease: Lease, error: BaseException) -> None:
         """The outcome is unknown: SUSPECT, and try again shortly while time remains."""
@@ -201,6 +207,72 @@ class Watchdog:
         backoff = lease._backoff or min(lease.ttl / 30, 0.05)
         lease._backoff = min(backoff * 2, lease.ttl / 10, 1.0)
         pause = backoff * random.uniform(0.5, 1.0)
-        retry_at = min(self._loop.time() + pause, lease.safe_until)
+        retry_at = self._loop.time() + pause
         if retry_at < lease.safe_until:
             self.schedule(lease, retry_at)
+
+
+async def _exchange(client: Redis, packed: bytes, count: int) -> list[object]:
+    """Write ``count`` packed commands at once on one pooled connection, read the replies.
+
+    A per-command error reply (NOSCRIPT, READONLY, ...) is returned in its place. On a
+    connection error or cancellation mid-way the connection's state is unknown: it is
+    closed before it goes back to the pool.
+    """
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        await connection.send_packed_command(packed)
+        replies: list[object] = []
+        for _ in range(count):
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as error:
+                replies.append(error)
+        return replies
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
+
+
+class _Timeline:
+    """A heap of (loop time, tie-breaker, lease) with one loop timer for its earliest entry."""
+
+    __slots__ = ("_at", "_callback", "_loop", "_timer", "entries")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[float], None]) -> None:
+        self._loop = loop
+        self._callback = callback
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf
+        self.entries: list[tuple[float, int, Lease]] = []
+
+    def add(self, at: float, order: int, lease: Lease) -> None:
+        heapq.heappush(self.entries, (at, order, lease))
+        if at < self._at:
+            self._arm(at)
+
+    def entries_push(self, at: float, order: int, lease: Lease) -> None:
+        """Add without arming (the callback re-arms when it is done)."""
+        heapq.heappush(self.entries, (at, order, lease))
+
+    def rearm(self, now: float) -> None:
+        if self.entries:
+            self._arm(max(self.entries[0][0], now))
+
+    def clear(self) -> None:
+        self.entries.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = None, math.inf
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = self._loop.call_at(at, self._run), at
+
+    def _run(self) -> None:
+        self._timer, self._at = None, math.inf
+        self._callback(self._loop.time())
