@@ -27,6 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ._scripts import pack
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
@@ -108,13 +109,11 @@ class Companion:
 
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
-        encoding = self.settings.get("encoding", "utf-8")
-        errors = self.settings.get("encoding_errors", "strict")
-        parts = [f"*{len(args)}\r\n".encode()]
-        for arg in args:
-            data = str(arg).encode(encoding, errors)
-            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-        return b"".join(parts)
+        return pack(
+            args,
+            self.settings.get("encoding", "utf-8"),
+            self.settings.get("encoding_errors", "strict"),
+        )
 
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""

@@ -116,9 +116,7 @@ class Lease:
         self._due: float | None = None  # when the watchdog renews next (loop time)
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
         self._renew_args: Final = (self._value, options.ttl_ms)
-        self._renew_packed: Final = companion.pack(
-            "EVALSHA", RENEW.sha, 1, options.key, self._value, options.ttl_ms
-        )
+        self._renew_packed: bytes | None = None  # the renew command, packed at first use
         self._closing = False
 
     # -- what the holder sees -----------------------------------------------------------
@@ -276,6 +274,15 @@ class Lease:
         self._lost_cause = None
         self._event(LeaseEventKind.RENEWED)
         return True
+
+    def _renew_command(self) -> bytes:
+        """The RENEW script call of this lease in RESP (it never changes)."""
+        if self._renew_packed is None:
+            options = self._options
+            self._renew_packed = self._companion.pack(
+                "EVALSHA", RENEW.sha, 1, options.key, self._value, options.ttl_ms
+            )
+        return self._renew_packed
 
     def _renewal_refused(self) -> None:
         self._lose(LossReason.NOT_OWNER)

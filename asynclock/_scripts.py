@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
     "UNKNOWN_OUTCOME",
     "Arg",
     "Script",
+    "encoding_of",
+    "exchange",
+    "pack",
     "run_idempotent",
 ]
 
@@ -44,6 +47,49 @@ Arg = str | int | float | bytes
 
 UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 """Errors after which a command's outcome is unknown: it may or may not have run."""
+
+
+def pack(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    """One command in RESP, its arguments encoded as redis-py would encode them."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode(encoding, errors)
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def encoding_of(client: Redis) -> tuple[str, str]:
+    """The encoding and error handler ``client``'s connections use for arguments."""
+    kwargs = client.connection_pool.connection_kwargs
+    return kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict")
+
+
+async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
+    """Write ``count`` packed commands at once on one of ``client``'s pooled connections
+    and read their replies; a per-command error reply (NOSCRIPT, READONLY, OOM, ...) is
+    returned in its place.
+
+    This skips redis-py's per-command layers (retries, observability, pipelines): on the
+    hot path they cost more than the round trip. On a connection error or cancellation
+    mid-way the connection's state is unknown, so it is closed before it goes back to the
+    pool. Raises ``MaxConnectionsError`` (nothing sent) when the pool is exhausted.
+    """
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        await connection.send_packed_command(packed)
+        replies: list[object] = []
+        for _ in range(count):
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as error:
+                replies.append(error)
+        return replies
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
 
 
 class Script:
@@ -57,11 +103,20 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Arg]) -> object:
-        """Run the script on ``client``; raises whatever redis-py raises, except NOSCRIPT."""
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
+        """Run the script on ``client`` (one round trip, two after a NOSCRIPT).
+
+        Raises the server's error reply (``ResponseError`` and its subclasses), or the
+        connection error, timeout or cancellation that interrupted the exchange.
+        """
+        encoding = encoding_of(client)
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        (reply,) = await exchange(client, pack(command, *encoding), 1)
+        if isinstance(reply, NoScriptError):
+            command = ("EVAL", self.source, len(keys), *keys, *args)
+            (reply,) = await exchange(client, pack(command, *encoding), 1)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
 
 async def run_idempotent(

@@ -39,9 +39,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError
 
-from ._scripts import RENEW
+from ._scripts import RENEW, exchange
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -109,7 +109,8 @@ class Watchdog:
 
     async def aclose(self) -> None:
         """Stop renewing and wait for renewals in flight to be cancelled."""
-        self.idle()
+        self._due.cancel()
+        self._deadlines.cancel()
         batches = list(self._batches)
         for task in batches:
             task.cancel()
@@ -186,17 +187,14 @@ class Watchdog:
         earliest = min(lease.safe_until for lease in batch)
         limit = min(earliest - t_send, min(lease.ttl for lease in batch) / 3)
         client = self._renewer()
+        packed = b"".join(lease._renew_command() for lease in batch)
         async with asyncio.timeout(max(limit, 0.0)):
-            replies = await _exchange(
-                client, b"".join(lease._renew_packed for lease in batch), len(batch)
-            )
+            replies = await exchange(client, packed, len(batch))
             if any(isinstance(r, NoScriptError) for r in replies):
                 # A restarted or failed-over server forgot the script: load it, send again.
                 await client.script_load(RENEW.source)
                 t_send = loop.time()
-                replies = await _exchange(
-                    client, b"".join(lease._renew_packed for lease in batch), len(batch)
-                )
+                replies = await exchange(client, packed, len(batch))
         return t_send, replies
 
     def _retry(self, lease: Lease, error: BaseException) -> None:
@@ -210,31 +208,6 @@ class Watchdog:
         retry_at = self._loop.time() + pause
         if retry_at < lease.safe_until:
             self.schedule(lease, retry_at)
-
-
-async def _exchange(client: Redis, packed: bytes, count: int) -> list[object]:
-    """Write ``count`` packed commands at once on one pooled connection, read the replies.
-
-    A per-command error reply (NOSCRIPT, READONLY, ...) is returned in its place. On a
-    connection error or cancellation mid-way the connection's state is unknown: it is
-    closed before it goes back to the pool.
-    """
-    pool = client.connection_pool
-    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-    try:
-        await connection.send_packed_command(packed)
-        replies: list[object] = []
-        for _ in range(count):
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as error:
-                replies.append(error)
-        return replies
-    except BaseException:
-        await connection.disconnect()
-        raise
-    finally:
-        await pool.release(connection)
 
 
 class _Timeline:
@@ -263,6 +236,11 @@ class _Timeline:
             self._arm(max(self.entries[0][0], now))
 
     def clear(self) -> None:
+        """Forget every entry. The timer stays armed (it finds nothing to do), so a
+        client that takes short leases one after another arms no timer per lease."""
+        self.entries.clear()
+
+    def cancel(self) -> None:
         self.entries.clear()
         if self._timer is not None:
             self._timer.cancel()
