@@ -17,19 +17,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Coroutine
 from types import TracebackType
-from typing import Final, final
+from typing import Any, Final, final
 
 import anyio
 import anyio.lowlevel
 from redis.asyncio import Redis
+from redis.exceptions import MaxConnectionsError
 
 from ._acquire import Acquisition
 from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions, drift_for
-from ._scripts import RELEASE, RENEW, Arg, Script, run_idempotent
+from ._scripts import RELEASE, RENEW, UNKNOWN_OUTCOME, Arg, Script, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish, finish_idempotent
 from ._watchdog import report_stall
 
@@ -388,10 +390,15 @@ class LeaseContext:
         held._closing = True
         if held.lost_reason is LossReason.NOT_OWNER:
             return  # the key is known not to be ours
+        runs = 0
+
+        def release() -> Coroutine[Any, Any, bool | None]:
+            nonlocal runs
+            runs += 1  # a second run (after a native cancellation) is not definitive
+            return _release(held, first=runs == 1)
+
         try:
-            released = await finish_idempotent(
-                lambda: _release(held), self._options.release_timeout
-            )
+            released = await finish_idempotent(release, self._options.release_timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -404,15 +411,30 @@ class LeaseContext:
             return
         if released:
             held._event(LeaseEventKind.RELEASED)
-        elif held.state in _ACTIVE:
+        elif released is False and held.state in _ACTIVE:
             held._lose(LossReason.NOT_OWNER)  # the key vanished without the watchdog noticing
 
 
-async def _release(held: Lease) -> bool:
+async def _release(held: Lease, *, first: bool) -> bool | None:
+    """Release ``held``: True if our key was deleted; False if Redis answered that the key
+    was not ours while we still believed we held it (the work may have overlapped another
+    holder); None if that answer proves nothing: a retry after a lost reply (the first
+    attempt may have deleted the key), or a release sent after the safe deadline."""
     companion = held._companion
+    keys = [held.key]
     args: list[Arg] = [held._value, held._options.channel, companion.room.origin]
-    reply = await run_idempotent(RELEASE, companion.client, companion.overflow, [held.key], args)
-    return bool(reply == 1)
+    t_send = companion.loop.time()
+    try:
+        reply = await RELEASE(companion.client, keys, args)
+    except MaxConnectionsError:  # the caller's pool is full: nothing was sent
+        reply = await RELEASE(companion.overflow(), keys, args)
+    except UNKNOWN_OUTCOME as exc:
+        log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
+        first = False
+        reply = await RELEASE(companion.overflow(), keys, args)
+    if reply == 1:
+        return True
+    return False if first and t_send < held.safe_until else None
 
 
 async def _unretain(companion: Companion) -> None:

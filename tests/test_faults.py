@@ -245,3 +245,21 @@ async def test_a_burst_larger_than_the_pool_queues_instead_of_failing(
         await asyncio.gather(*(one(i) for i in range(1000)))
     assert inside == 1000
     assert await keys_left(client, prefix) == []
+
+
+async def test_a_lost_release_reply_is_not_reported_as_a_loss(
+    private_server: RedisServer, prefix: str
+):
+    """The release ran but its reply was lost: the retry finds the key gone, which proves
+    nothing (the first attempt deleted it), so the finished block does not raise LockLost."""
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        try:
+            async with asynclock.lease(client, "done", ttl=10, prefix=prefix) as lock:
+                proxy.reset_on_next_reply()  # the release's reply
+            assert lock.state is LeaseState.RELEASED
+            assert await observer.exists(lock.key) == 0
+        finally:
+            await client.aclose()
+            await observer.aclose()
