@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--keep", action="store_true", help="keep the history and fenced store when it passes"
     )
+    parser.add_argument("--sabotage", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--print-schedule",
         action="store_true",
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ttl=args.ttl,
         engine=args.engine,
         keep=args.keep,
+        sabotage=args.sabotage,
     )
     if args.print_schedule:
         print_schedule(config)

@@ -10,21 +10,27 @@ a target that only exists at run time (the holder to ``SIGSTOP``, the connection
 kill), the schedule holds a number ``pick`` in [0, 1) and the target is chosen from the
 candidates, sorted, by that number.
 
+Every worker connects through a proxy of its own, so a network fault can hit one
+worker alone: its ``scope`` is ``all`` (every proxy) or ``holder`` (the proxy of one
+worker that holds a lock, chosen by ``pick``; any worker when none does). A holder cut
+off alone is the case a lease exists for: the others still reach the server, and must
+not get the lock before the holder's guarded work has stopped.
+
 Kinds are drawn from a bag holding each kind once (shuffled, refilled when empty), so
 every run of a few bags' length sees every kind. Faults never overlap: each one is healed
 before a gap of 1 to 2 TTLs, then the next starts; the first waits for a warm-up of 2
 TTLs and the last ends 1.5 TTLs before the run does, so the system is calm at the end.
 Durations and amounts are in multiples of the TTL, so the schedule scales with it:
 
-* ``delay``: the proxy delays every chunk both ways, ``within`` the renewal budget
+* ``delay``: the proxies in scope delay every chunk both ways, ``within`` the renewal budget
   (0.03-0.1 TTL each way, so a round trip stays far below the TTL/3 renewal period) or
   ``beyond`` it (0.4-0.9 TTL each way: a round trip eats more than the two thirds of the
   TTL a renewal has to be confirmed in), for 2-4 TTLs.
-* ``blackhole``: the proxy drops everything (``both`` ways, or only ``upstream`` or only
+* ``blackhole``: the proxies in scope drop everything (``both`` ways, or only ``upstream`` or only
   ``downstream``) for 1.2-2.5 TTLs; healing resets every proxied connection, since those
   that lost bytes are out of step.
-* ``reset``: every proxied connection is reset (RST); in the ``refuse`` variant new
-  connections are also refused for 0.1-0.6 TTL.
+* ``reset``: every connection through the proxies in scope is reset (RST); in the
+  ``refuse`` variant new connections are also refused for 0.1-0.6 TTL.
 * ``stall``: the server stops answering for 1.2-2.5 TTLs, by ``SIGSTOP`` or by
   ``DEBUG SLEEP``.
 * ``client_kill``: ``CLIENT KILL`` on the server of ``all`` client connections (the
@@ -55,16 +61,18 @@ import random
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 from asynclock.testing import Direction, FaultProxy, History, ProxyMode, RedisServer
 
 __all__ = [
     "DATA_LOSS",
+    "NETWORK",
     "Fault",
     "FaultKind",
     "Injection",
     "Nemesis",
+    "Target",
     "make_schedule",
 ]
 
@@ -88,11 +96,15 @@ class FaultKind(enum.StrEnum):
 DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART})
 """Faults after which the server no longer has the keys it had."""
 
+NETWORK: Final = frozenset({FaultKind.DELAY, FaultKind.BLACKHOLE, FaultKind.RESET})
+"""Faults of the proxies, which hit every worker or one holder (see ``Fault.scope``)."""
+
 _WARMUP: Final = 2.0  # TTLs before the first fault
 _COOLDOWN: Final = 1.5  # TTLs of calm after the last fault ends
 _GAP: Final = (1.0, 2.0)  # TTLs between one fault's end and the next one's start
 _HOLDER_STOP: Final = 2.5  # TTLs a holder stays stopped
-_HOLDER_WAIT: Final = 1.0  # TTLs to wait for some worker to hold a lock before skipping
+_HOLDER_WAIT: Final = 1.0  # TTLs to wait for some worker to hold a lock (then: skip/any)
+_HOLDER_SCOPE: Final = 0.6  # share of network faults that hit one holder only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +121,8 @@ class Fault:
             (``delay``), the refusal window (``reset``), the fraction of connections
             killed (``client_kill``), the time the server stays down (``restart``).
         pick: a number in [0, 1) choosing a target among the candidates found at run time.
+        scope: for network faults (``delay``, ``blackhole``, ``reset``), ``"all"`` the
+            proxies or the one of a ``"holder"``; empty for the other kinds.
     """
 
     index: int
@@ -118,6 +132,7 @@ class Fault:
     duration: float
     amount: float
     pick: float
+    scope: str = ""
 
     @property
     def end(self) -> float:
@@ -128,6 +143,8 @@ class Fault:
         """One line for humans, e.g. ``"#3 at 5.21s delay/beyond 1.90s (0.500s each way)"``."""
         what = f"{self.kind}/{self.variant}" if self.variant else str(self.kind)
         text = f"#{self.index} at {self.at:.2f}s {what}"
+        if self.scope:
+            text += f" on {self.scope}"
         if self.duration:
             text += f" for {self.duration:.2f}s"
         if self.kind is FaultKind.DELAY:
@@ -138,7 +155,7 @@ class Fault:
             text += f" ({self.amount:.0%} of the connections, pick {self.pick:.3f})"
         elif self.kind is FaultKind.RESTART:
             text += f" (down {self.amount:.2f}s)"
-        elif self.kind is FaultKind.HOLDER_STOP:
+        if self.kind is FaultKind.HOLDER_STOP or self.scope == "holder":
             text += f" (pick {self.pick:.3f})"
         return text
 
@@ -152,6 +169,7 @@ class Fault:
             "duration": round(self.duration, 6),
             "amount": round(self.amount, 6),
             "pick": round(self.pick, 6),
+            "scope": self.scope,
         }
 
 
@@ -193,7 +211,10 @@ def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float
         amount = rng.uniform(0.0, 0.75) * ttl
     elif kind is FaultKind.HOLDER_STOP:
         duration = _HOLDER_STOP * ttl
-    return Fault(index, at, kind, variant, duration, amount, pick)
+    scope = ""
+    if kind in NETWORK:
+        scope = "holder" if rng.random() < _HOLDER_SCOPE else "all"
+    return Fault(index, at, kind, variant, duration, amount, pick, scope)
 
 
 def make_schedule(seed: int, seconds: float, ttl: float) -> tuple[Fault, ...]:
@@ -247,6 +268,8 @@ class Injection:
     end_wall: float = 0.0
     target: str = ""
     outcome: str = "done"
+    resumed: float | None = None
+    """For ``holder_stop``: ``time.monotonic()`` just before the ``SIGCONT`` was sent."""
 
     @property
     def done(self) -> bool:
@@ -264,6 +287,7 @@ class Injection:
             "end": round(self.end, 6),
             "target": self.target,
             "outcome": self.outcome,
+            "resumed": self.resumed,
         }
 
 
@@ -273,8 +297,17 @@ _DIRECTIONS: Final[dict[str, Direction]] = {
     "downstream": "downstream",
 }
 
-Holders = Callable[[], Sequence[tuple[str, int]]]
-"""Returns ``(worker name, pid)`` of every worker that holds a lock now, sorted by name."""
+
+class Target(NamedTuple):
+    """A worker the nemesis can aim at: its name, process id and the index of its proxy."""
+
+    name: str
+    pid: int
+    slot: int
+
+
+Holders = Callable[[], Sequence[Target]]
+"""Returns the workers that hold a lock now (by their last report), sorted by name."""
 
 
 def _bulk_text(reply: bytes) -> str:
@@ -297,13 +330,14 @@ def _client_ids(client_list: str) -> list[int]:
 
 
 class Nemesis:
-    """Injects the faults of a schedule into a server, the proxy in front of it, and workers.
+    """Injects a schedule's faults into a server, the workers' proxies, and the workers.
 
     Args:
         server: the private server (restarted without persistence by ``restart``).
-        proxy: the proxy every worker connects through.
+        proxies: one proxy per worker, in the order of :attr:`Target.slot`.
         history: the shared history, where ``holder_stop`` records its pauses.
-        holders: who holds a lock right now, for ``holder_stop``.
+        holders: who holds a lock right now, for ``holder_stop`` and ``holder`` scopes.
+        workers: every worker, for a ``holder`` scope when nobody holds a lock.
         ttl: the leases' TTL in seconds (to size waits).
 
     Every fault is healed before :meth:`inject` returns, also when it fails or is
@@ -313,15 +347,17 @@ class Nemesis:
     def __init__(
         self,
         server: RedisServer,
-        proxy: FaultProxy,
+        proxies: Sequence[FaultProxy],
         history: History,
         holders: Holders,
+        workers: Sequence[Target],
         ttl: float,
     ) -> None:
         self._server = server
-        self._proxy = proxy
+        self._proxies = tuple(proxies)
         self._history = history
         self._holders = holders
+        self._workers = tuple(workers)
         self._ttl = ttl
         self._stopped_pids: set[int] = set()
         self.injections: list[Injection] = []
@@ -364,12 +400,14 @@ class Nemesis:
 
     async def _inject(self, fault: Fault, injection: Injection) -> None:
         kind = fault.kind
-        if kind is FaultKind.DELAY:
-            await self._delay(fault)
-        elif kind is FaultKind.BLACKHOLE:
-            await self._blackhole(fault)
-        elif kind is FaultKind.RESET:
-            await self._reset(fault)
+        if kind in NETWORK:
+            proxies = await self._in_scope(fault, injection)
+            if kind is FaultKind.DELAY:
+                await self._delay(fault, proxies)
+            elif kind is FaultKind.BLACKHOLE:
+                await self._blackhole(fault, proxies)
+            else:
+                await self._reset(fault, proxies)
         elif kind is FaultKind.STALL:
             await self._stall(fault)
         elif kind is FaultKind.CLIENT_KILL:
@@ -385,30 +423,59 @@ class Nemesis:
         else:  # pragma: no cover - every kind is handled above
             raise AssertionError(kind)
 
-    async def _delay(self, fault: Fault) -> None:
+    async def _some_holder(self, pick: float) -> Target | None:
+        """A worker holding a lock, chosen by ``pick``; waits up to a TTL for one."""
+        deadline = time.monotonic() + _HOLDER_WAIT * self._ttl
+        holders = list(self._holders())
+        while not holders and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            holders = list(self._holders())
+        if not holders:
+            return None
+        return holders[min(int(pick * len(holders)), len(holders) - 1)]
+
+    async def _in_scope(self, fault: Fault, injection: Injection) -> tuple[FaultProxy, ...]:
+        if fault.scope != "holder":
+            injection.target = "all"
+            return self._proxies
+        target = await self._some_holder(fault.pick)
+        if target is None:  # nobody holds a lock: aim at a worker all the same
+            workers = self._workers
+            target = workers[min(int(fault.pick * len(workers)), len(workers) - 1)]
+            injection.target = f"{target.name} (holding nothing)"
+        else:
+            injection.target = target.name
+        return (self._proxies[target.slot],)
+
+    async def _delay(self, fault: Fault, proxies: Sequence[FaultProxy]) -> None:
         jitter = fault.amount * (0.3 if fault.variant == "within" else 0.1)
-        self._proxy.set_mode(ProxyMode.DELAY, delay=fault.amount, jitter=jitter)
         try:
+            for proxy in proxies:
+                proxy.set_mode(ProxyMode.DELAY, delay=fault.amount, jitter=jitter)
             await asyncio.sleep(fault.duration)
         finally:
-            self._proxy.set_mode(ProxyMode.PASS)
+            for proxy in proxies:
+                proxy.set_mode(ProxyMode.PASS)
 
-    async def _blackhole(self, fault: Fault) -> None:
-        self._proxy.set_mode(ProxyMode.BLACKHOLE, direction=_DIRECTIONS[fault.variant])
+    async def _blackhole(self, fault: Fault, proxies: Sequence[FaultProxy]) -> None:
         try:
+            for proxy in proxies:
+                proxy.set_mode(ProxyMode.BLACKHOLE, direction=_DIRECTIONS[fault.variant])
             await asyncio.sleep(fault.duration)
         finally:
-            self._proxy.set_mode(ProxyMode.PASS)
-            await self._proxy.reset_all()
+            for proxy in proxies:
+                proxy.set_mode(ProxyMode.PASS)
+            await asyncio.gather(*(proxy.reset_all() for proxy in proxies))
 
-    async def _reset(self, fault: Fault) -> None:
-        if fault.amount:
-            self._proxy.refuse_new = True
+    async def _reset(self, fault: Fault, proxies: Sequence[FaultProxy]) -> None:
         try:
-            await self._proxy.reset_all()
+            for proxy in proxies:
+                proxy.refuse_new = bool(fault.amount)
+            await asyncio.gather(*(proxy.reset_all() for proxy in proxies))
             await asyncio.sleep(fault.amount)
         finally:
-            self._proxy.refuse_new = False
+            for proxy in proxies:
+                proxy.refuse_new = False
 
     async def _stall(self, fault: Fault) -> None:
         if fault.variant == "sigstop":
@@ -447,23 +514,19 @@ class Nemesis:
             await asyncio.to_thread(self._server.restart)
 
     async def _holder_stop(self, fault: Fault, injection: Injection) -> None:
-        deadline = time.monotonic() + _HOLDER_WAIT * self._ttl
-        holders = list(self._holders())
-        while not holders and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-            holders = list(self._holders())
-        if not holders:
+        target = await self._some_holder(fault.pick)
+        if target is None:
             injection.outcome = "skipped: no worker held a lock"
             return
-        name, pid = holders[min(int(fault.pick * len(holders)), len(holders) - 1)]
-        injection.target = name
-        with self._history.paused(name):
-            os.kill(pid, signal.SIGSTOP)
-            self._stopped_pids.add(pid)
+        injection.target = target.name
+        with self._history.paused(target.name):
+            os.kill(target.pid, signal.SIGSTOP)
+            self._stopped_pids.add(target.pid)
             try:
                 await asyncio.sleep(fault.duration)
             finally:
-                self._continue(pid)
+                injection.resumed = time.monotonic()
+                self._continue(target.pid)
 
     def _continue(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -471,10 +534,11 @@ class Nemesis:
         self._stopped_pids.discard(pid)
 
     async def heal_all(self) -> None:
-        """Undo every fault that may still be in force: proxy passes everything and accepts
-        new connections, the server runs and is not stopped, no worker is stopped."""
-        self._proxy.set_mode(ProxyMode.PASS)
-        self._proxy.refuse_new = False
+        """Undo every fault that may still be in force: every proxy passes everything and
+        accepts new connections, the server runs and is not stopped, no worker is stopped."""
+        for proxy in self._proxies:
+            proxy.set_mode(ProxyMode.PASS)
+            proxy.refuse_new = False
         for pid in list(self._stopped_pids):
             self._continue(pid)
         if self._server.is_paused:

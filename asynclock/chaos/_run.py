@@ -1,11 +1,12 @@
-"""The chaos run: a private server behind a fault proxy, worker processes, the nemesis.
+"""The chaos run: a private server, a fault proxy per worker, worker processes, the nemesis.
 
 Design note. The parent is one asyncio program: the :class:`~asynclock.testing.FaultProxy`
-every worker connects through runs on its loop, so nothing here may block it for long
-(server restarts and raw commands go to threads). Workers are ``subprocess`` children in
-their own session (a terminal's Ctrl-C reaches only the parent, which cleans up); each
-reports on its stdout, read by one task per worker, which keeps track of who holds a lock
-now (for the nemesis's ``holder_stop``) and collects how every round ended. The run is
+of each worker (one per worker, so that a network fault can cut off a single holder) runs
+on its loop, so nothing here may block it for long (server restarts and raw commands go to
+threads). Workers are ``subprocess`` children in their own session (a terminal's Ctrl-C
+reaches only the parent, which cleans up); each reports on its stdout, read by one task
+per worker, which keeps track of who holds a lock now (for the nemesis's ``holder_stop``
+and holder-scoped network faults) and collects how every round ended. The run is
 bounded at every step: workers must be ready within 30 s, the nemesis stops at the end of
 the run (the fault in progress is healed, not cut short), workers get a few TTLs plus
 10 s to stop before they are killed (a failure), and the whole run is cancelled cleanly
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -40,7 +42,7 @@ from asynclock.testing import (
     keys_left,
 )
 
-from ._nemesis import Nemesis, make_schedule
+from ._nemesis import Nemesis, Target, make_schedule
 from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, summarize
 from ._worker import WorkerConfig, counter_key
 
@@ -69,6 +71,8 @@ class ChaosConfig:
         ttl: the leases' TTL.
         engine: ``"redis"``, ``"valkey"`` or None for the first one installed.
         keep: keep the work directory (history, fenced store) even when the run passes.
+        sabotage: a negative control: the workers' bodies ignore the loss of their lease
+            (shielded from its cancellation, no ``is_held()``), so the checks must fail.
     """
 
     seed: int
@@ -78,6 +82,7 @@ class ChaosConfig:
     ttl: float = 0.8
     engine: str | None = None
     keep: bool = False
+    sabotage: bool = False
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -97,6 +102,8 @@ class ChaosConfig:
             parts.append(f"--ttl {self.ttl:g}")
         if self.engine is not None:
             parts.append(f"--engine {self.engine}")
+        if self.sabotage:
+            parts.append("--sabotage")
         return " ".join(parts)
 
 
@@ -119,19 +126,20 @@ class _Worker:
 
 
 class _Run:
-    """One chaos run against ``server`` through ``proxy``; see the module's design note."""
+    """One chaos run against ``server``, worker ``i`` through ``proxies[i]``; see the
+    module's design note."""
 
     def __init__(
         self,
         config: ChaosConfig,
         server: RedisServer,
-        proxy: FaultProxy,
+        proxies: Sequence[FaultProxy],
         workdir: Path,
         log: TextIO,
     ) -> None:
         self.config = config
         self.server = server
-        self.proxy = proxy
+        self.proxies = tuple(proxies)
         self.workdir = workdir
         self.log = log
         self.history_path = workdir / "history.jsonl"
@@ -140,13 +148,13 @@ class _Run:
         self.workers: list[_Worker] = []
         self.rounds: list[RoundReport] = []
         self.schedule = make_schedule(config.seed, config.seconds, config.ttl)
-        self.nemesis = Nemesis(server, proxy, self.history, self.holders, config.ttl)
+        self.nemesis: Nemesis | None = None
 
-    def holders(self) -> list[tuple[str, int]]:
-        """``(name, pid)`` of the workers holding a lock now (by their last report)."""
+    def holders(self) -> list[Target]:
+        """The workers holding a lock now (by their last report)."""
         return [
-            (w.name, w.proc.pid)
-            for w in self.workers
+            Target(w.name, w.proc.pid, index)
+            for index, w in enumerate(self.workers)
             if w.holding is not None and w.proc.returncode is None
         ]
 
@@ -158,13 +166,14 @@ class _Run:
         worker_config = WorkerConfig(
             index=index,
             name=name,
-            url=self.proxy.url,
+            url=self.proxies[index].url,
             locks=config.lock_names,
             ttl=config.ttl,
             seed=config.seed,
             history=str(self.history_path),
             store=str(self.store_path),
             parent_pid=os.getpid(),
+            sabotage=config.sabotage,
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -274,10 +283,10 @@ class _Run:
 
     # -- the run ------------------------------------------------------------------------
 
-    async def _progress(self, t0: float) -> None:
+    async def _progress(self, t0: float, nemesis: Nemesis) -> None:
         while True:
             await asyncio.sleep(_PROGRESS_EVERY)
-            done = sum(1 for i in self.nemesis.injections if i.done)
+            done = sum(1 for i in nemesis.injections if i.done)
             acquired = sum(1 for r in self.rounds if r.body_start is not None)
             print(
                 f"chaos: {time.monotonic() - t0:.0f} of {self.config.seconds:g} s, "
@@ -293,15 +302,19 @@ class _Run:
         try:
             try:
                 await self._start_workers()
+                targets = [Target(w.name, w.proc.pid, i) for i, w in enumerate(self.workers)]
+                self.nemesis = injector = Nemesis(
+                    self.server, self.proxies, self.history, self.holders, targets, config.ttl
+                )
                 t0 = time.monotonic()
                 until = t0 + config.seconds
-                nemesis = asyncio.create_task(self.nemesis.run(self.schedule, t0, until))
+                nemesis = asyncio.create_task(injector.run(self.schedule, t0, until))
                 progress = None
                 if config.seconds >= 2 * _PROGRESS_EVERY:
-                    progress = asyncio.create_task(self._progress(t0))
+                    progress = asyncio.create_task(self._progress(t0, injector))
                 try:
                     await asyncio.sleep(max(0.0, until - time.monotonic()))
-                    self.nemesis.stop()
+                    injector.stop()
                     await asyncio.wait({nemesis}, timeout=_NEMESIS_GRACE)
                 finally:
                     for task in (nemesis, progress):
@@ -310,11 +323,12 @@ class _Run:
                             await asyncio.wait({task})
                 if not nemesis.cancelled() and nemesis.exception() is not None:
                     raise RuntimeError("the nemesis failed") from nemesis.exception()
-                await self.nemesis.heal_all()
+                await injector.heal_all()
                 await self._stop_workers()
                 keys = await self._keys_left()
             finally:
-                await self.nemesis.heal_all()
+                if self.nemesis is not None:
+                    await self.nemesis.heal_all()
                 await self._kill_workers()
             self._save()
             history = History.load(self.history_path)
@@ -327,7 +341,7 @@ class _Run:
                 ttl=config.ttl,
                 engine=f"{self.server.engine} {self.server.version}",
                 schedule=self.schedule,
-                injections=tuple(self.nemesis.injections),
+                injections=tuple(injector.injections),
                 rounds=tuple(self.rounds),
                 outcomes=tuple(self._outcomes()),
                 intervals=tuple(history.intervals),
@@ -345,8 +359,9 @@ class _Run:
 
     def _save(self) -> None:
         """Write the schedule, what the nemesis did and every round to the work directory."""
+        injections = self.nemesis.injections if self.nemesis is not None else []
         with open(self.workdir / "injections.jsonl", "w") as file:
-            for injection in self.nemesis.injections:
+            for injection in injections:
                 file.write(json.dumps(injection.to_json()) + "\n")
         with open(self.workdir / "rounds.jsonl", "w") as file:
             for report in self.rounds:
@@ -376,8 +391,12 @@ async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Sum
     passed = False
     try:
         await asyncio.to_thread(server.start)
-        async with FaultProxy(server.host, server.port) as proxy:
-            record = await _Run(config, server, proxy, workdir, log).run()
+        async with contextlib.AsyncExitStack() as stack:
+            proxies = [
+                await stack.enter_async_context(FaultProxy(server.host, server.port))
+                for _ in range(config.workers)
+            ]
+            record = await _Run(config, server, proxies, workdir, log).run()
         summary = summarize(record)
         passed = summary.ok
         return summary, workdir

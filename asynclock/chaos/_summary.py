@@ -25,9 +25,9 @@ Definitions (also in ``docs/chaos.md``):
   exit). ``not_owner``: for ``LockLost(not_owner)`` of a lease that a data-loss fault took
   away, from the end of that fault (``FLUSHALL`` answered, or the restarted server
   answering again: the first moment a renewal could find the key missing) to the body
-  having stopped. ``after SIGCONT``: for a stopped holder, from ``SIGCONT`` to its body
-  having stopped. Losses noticed only after the body had ended (e.g. during the release)
-  have no latency.
+  having stopped. ``after SIGCONT``: for a holder stopped while its body ran, from
+  ``SIGCONT`` to its body having stopped. Losses noticed only after the body had ended
+  (e.g. during the release) have no latency.
 """
 
 from __future__ import annotations
@@ -93,8 +93,16 @@ class RoundReport:
     body_end: float | None
     safe_until: float | None
     lost_at: float | None
+    left_at_end: float | None = None
+    """Seconds of the lease left when the body returned normally; None if it did not."""
     increments: int = 0
     refused: int = 0
+
+    @property
+    def lost_after_finishing(self) -> bool:
+        """LockLost came out although the body had returned with time left (and so was
+        never cancelled): the loss was only found by the release."""
+        return self.outcome == "lost" and self.left_at_end is not None and self.left_at_end > 0
 
     @classmethod
     def from_message(cls, worker: str, message: Mapping[str, Any]) -> RoundReport:
@@ -110,6 +118,7 @@ class RoundReport:
             body_end=_opt_float(message.get("body_end")),
             safe_until=_opt_float(message.get("safe_until")),
             lost_at=_opt_float(message.get("lost_at")),
+            left_at_end=_opt_float(message.get("left_at_end")),
             increments=int(message.get("increments", 0)),
             refused=int(message.get("refused", 0)),
         )
@@ -285,9 +294,18 @@ def _stats_ms(values: Sequence[float]) -> dict[str, Any]:
 def _latencies(
     record: RunRecord, windows: Sequence[DataLoss], now_wall: float
 ) -> dict[str, list[float]]:
-    """Detection latencies in seconds, by ``deadline``, ``not_owner``, ``after_sigcont``."""
+    """Detection latencies in seconds, by ``deadline``, ``not_owner``, ``after_sigcont``.
+
+    ``not_owner_unexplained`` lists the ``not_owner`` losses (noticed while the body ran)
+    that no data-loss fault explains, as the seconds from the body's start to the loss.
+    """
     by_holder = _pauses_by_holder(record.pauses)
+    resumed: dict[str, list[float]] = defaultdict(list)  # holder -> SIGCONT times
+    for injection in record.injections:
+        if injection.resumed is not None:
+            resumed[injection.target].append(injection.resumed)
     found: dict[str, list[float]] = {"deadline": [], "not_owner": [], "after_sigcont": []}
+    unexplained = found["not_owner_unexplained"] = []  # lost_at - body_start, for the record
     for report in record.rounds:
         if report.reason is None or report.body_end is None or report.body_start is None:
             continue
@@ -298,8 +316,12 @@ def _latencies(
         )
         pause = pause_of(interval, by_holder, record.ttl)
         if pause is not None:
-            if report.body_end >= pause.end:
-                found["after_sigcont"].append(report.body_end - pause.end)
+            # Only a body that was running when its holder was resumed, and whose loss was
+            # noticed while it ran (a body that began after the SIGCONT is not measured).
+            sent = [t for t in resumed[report.worker] if pause.start <= t <= pause.end]
+            noticed = report.lost_at is not None and report.lost_at <= report.body_end + _SLACK
+            if sent and noticed and report.body_start <= sent[0] <= report.body_end:
+                found["after_sigcont"].append(report.body_end - sent[0])
             continue
         if report.reason == "deadline" and report.safe_until is not None:
             if report.body_end >= report.safe_until:
@@ -317,7 +339,9 @@ def _latencies(
                 )
                 if granted_before and window.start <= report.lost_at:
                     latest = window
-            if latest is not None and report.body_end >= latest.end:
+            if latest is None:
+                unexplained.append(report.lost_at - report.body_start)
+            elif report.body_end >= latest.end:
                 found["not_owner"].append(report.body_end - latest.end)
     return found
 
@@ -364,6 +388,7 @@ def summarize(record: RunRecord) -> Summary:
     # -- faults ------------------------------------------------------------------------
     by_kind: Counter[str] = Counter()
     by_variant: Counter[str] = Counter()
+    on_holder: Counter[str] = Counter()
     skipped: Counter[str] = Counter()
     errors = []
     for injection in record.injections:
@@ -372,6 +397,8 @@ def summarize(record: RunRecord) -> Summary:
             by_kind[kind] += 1
             if injection.fault.variant:
                 by_variant[f"{kind}/{injection.fault.variant}"] += 1
+            if injection.fault.scope == "holder":
+                on_holder[kind] += 1
         elif injection.outcome.startswith("skipped"):
             skipped[kind] += 1
         else:
@@ -388,6 +415,7 @@ def summarize(record: RunRecord) -> Summary:
     outcomes = Counter(r.outcome for r in record.rounds)
     lost = Counter(str(r.reason) for r in record.rounds if r.outcome == "lost")
     hidden = Counter(str(r.reason) for r in record.rounds if r.outcome != "lost" and r.reason)
+    late = Counter(str(r.reason) for r in record.rounds if r.lost_after_finishing)
     round_errors = Counter(str(r.error) for r in record.rounds if r.outcome == "error")
     unexpected = [r for r in record.rounds if r.outcome == "unexpected"]
     if unexpected:
@@ -456,6 +484,7 @@ def summarize(record: RunRecord) -> Summary:
             "injected": sum(by_kind.values()),
             "by_kind": dict(sorted(by_kind.items())),
             "by_variant": dict(sorted(by_variant.items())),
+            "on_one_holder": dict(sorted(on_holder.items())),
             "skipped": dict(sorted(skipped.items())),
             "errors": len(errors),
         },
@@ -465,6 +494,7 @@ def summarize(record: RunRecord) -> Summary:
         "unexpected_errors": len(unexpected),
         "lock_lost": {"total": sum(lost.values()), "by_reason": dict(sorted(lost.items()))},
         "lost_behind_body_error": dict(sorted(hidden.items())),
+        "lost_after_body_finished": dict(sorted(late.items())),
         "overlap": {
             "unpaused": _pairs(classes.unpaused),
             "after_data_loss": _pairs(classes.after_data_loss),
@@ -485,7 +515,7 @@ def summarize(record: RunRecord) -> Summary:
         "wall_seconds": round(record.wall_seconds, 3),
         "failures": list(failures),
     }
-    lines = _render(record, data, by_kind, by_variant, skipped)
+    lines = _render(record, data, by_kind, by_variant, on_holder, skipped)
     return Summary(not failures, tuple(failures), data, tuple(lines), tuple(details))
 
 
@@ -503,6 +533,7 @@ def _render(
     data: Mapping[str, Any],
     by_kind: Counter[str],
     by_variant: Counter[str],
+    on_holder: Counter[str],
     skipped: Counter[str],
 ) -> list[str]:
     faults = data["faults"]
@@ -514,6 +545,8 @@ def _render(
             for variant, n in sorted(by_variant.items())
             if variant.startswith(f"{kind}/")
         ]
+        if on_holder.get(str(kind)):
+            variants.append(f"{on_holder[str(kind)]} on one holder")
         text = f"{kind} {count}"
         if variants and count:
             text += f" ({', '.join(variants)})"
@@ -551,6 +584,11 @@ def _render(
             f"  lost, body error out {_counts(data['lost_behind_body_error'])}"
             " (the body's own error propagated instead of LockLost)"
         )
+    if data["lost_after_body_finished"]:
+        lines.append(
+            f"  LockLost after the body had finished in time: "
+            f"{_counts(data['lost_after_body_finished'])} (found only by the release)"
+        )
     lines += [
         f"  overlap, not paused  {overlap['unpaused']['count']} pairs"
         + must(overlap["unpaused"]["count"]),
@@ -572,6 +610,8 @@ def _render(
         f"{_latency_text(latency['not_owner'])}",
         f"                       SIGCONT -> body stopped (stopped holder): "
         f"{_latency_text(latency['after_sigcont'])}",
+        f"  not_owner without data loss  {latency['not_owner_unexplained']['n']}"
+        " (the key expired or was taken while the holder was not stopped and nothing was lost)",
         f"  asynclock warnings   {_counts(data['warnings'])}",
         f"  wall time            {data['wall_seconds']:.1f} s",
     ]

@@ -46,6 +46,7 @@ import traceback
 from collections import Counter
 from typing import Any, Final
 
+import anyio
 import anyio.to_thread
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -59,9 +60,10 @@ __all__ = ["WorkerConfig", "counter_key", "main"]
 
 _PR_SET_PDEATHSIG: Final = 1
 _STOP_GRACE: Final = 3.0  # TTLs a round in its body may take to finish after a stop
-_STEPS: Final = (2, 5)  # fenced increments per round
-_STEP_SLEEP: Final = (0.02, 0.12)  # TTLs slept after each increment
+_STEPS: Final = (3, 8)  # fenced increments per round
+_STEP_SLEEP: Final = (0.03, 0.2)  # TTLs slept after each increment
 _READ_WRITE_PAUSE: Final = (0.002, 0.02)  # seconds between an increment's read and write
+_SABOTAGE_SLOWER: Final = 10.0  # sabotaged bodies sleep this much longer, outliving leases
 _BETWEEN_ROUNDS: Final = (0.0, 0.15)  # TTLs slept between rounds
 _VERIFY: Final = 0.25  # share of rounds that verify the lease with Redis before leaving
 
@@ -94,6 +96,9 @@ class WorkerConfig:
     store: str
     parent_pid: int
     prefix: str = "asynclock:"
+    sabotage: bool = False
+    """A negative control: bodies ignore ``is_held()`` and are shielded from the lease's
+    cancellation, so they run on after a loss (the checks must then fail)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -157,6 +162,8 @@ class _Round:
     body_end: float | None = None
     safe_until: float | None = None
     lost_at: float | None = None
+    left_at_end: float | None = None
+    """Seconds of the lease left when the body returned normally (None: it did not)."""
     increments: int = 0
     refused: int = 0
 
@@ -259,6 +266,7 @@ class _Worker:
                     with self.history.guard_lease(lock, config.name) as guard:
                         self.report("acquired", lock=lock_name, fence=lock.fencing_token)
                         await self._body(lock, state, steps, verify)
+                        state.left_at_end = lock.time_left
                 finally:
                     self.in_body = False
             state.outcome = "released"
@@ -268,8 +276,7 @@ class _Worker:
             state.outcome = "timeout"
         except (RedisError, OSError, sqlite3.Error) as exc:  # TimeoutError is an OSError
             state.outcome, state.error = "error", type(exc).__name__
-            lost = lock is not None and lock.lost_reason is not None
-            if lost and lock is not None and lock.lost_reason is not None:
+            if lock is not None and lock.lost_reason is not None:
                 state.reason = lock.lost_reason.value  # the body's error came out instead
         except asyncio.CancelledError:
             state.outcome = "cancelled"
@@ -290,18 +297,26 @@ class _Worker:
             self.report("round", **state.message())
 
     async def _body(self, lock: asynclock.Lease, state: _Round, steps: int, verify: bool) -> None:
+        if self.config.sabotage:
+            with anyio.CancelScope(shield=True):
+                await self._steps(lock, state, steps, check=False)
+            return
+        await self._steps(lock, state, steps, check=True)
+        if verify and not await lock.is_held(verify=True):
+            self.stats["verify_false"] += 1
+
+    async def _steps(self, lock: asynclock.Lease, state: _Round, steps: int, check: bool) -> None:
         ttl = self.config.ttl
         for _ in range(steps):
-            if not await lock.is_held():
+            if check and not await lock.is_held():
                 self.stats["is_held_false"] += 1
                 return
             if await self._increment(lock):
                 state.increments += 1
             else:
                 state.refused += 1
-            await asyncio.sleep(self.rng.uniform(*_STEP_SLEEP) * ttl)
-        if verify and not await lock.is_held(verify=True):
-            self.stats["verify_false"] += 1
+            slow = 1.0 if check else _SABOTAGE_SLOWER
+            await asyncio.sleep(self.rng.uniform(*_STEP_SLEEP) * ttl * slow)
 
     async def _increment(self, lock: asynclock.Lease) -> bool:
         """``FencedStore.increment(key, fencing_token=...)``, with each SQLite call in a

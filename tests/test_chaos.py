@@ -1,0 +1,278 @@
+"""The chaos run of issue 3: ``python -m asynclock.chaos``.
+
+The 20-second run is part of the default suite: worker processes contend for three locks
+through a fault proxy while a seeded nemesis injects every kind of fault, and every
+checker must pass. The other tests are fast: the seed's schedule is deterministic, and
+the overlap classification excuses exactly what it should.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asynclock.chaos import FaultKind, make_schedule
+from asynclock.chaos.__main__ import main
+from asynclock.chaos._nemesis import Fault, Injection
+from asynclock.chaos._summary import (
+    DataLoss,
+    RoundReport,
+    RunRecord,
+    classify_overlaps,
+    percentile,
+    summarize,
+)
+from asynclock.testing import Interval, Pause, available_engines
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = 20240603  # a 20-second schedule with all eight kinds of fault
+TTL = 0.8
+
+needs_server = pytest.mark.skipif(
+    not available_engines(), reason="no redis-server or valkey-server binary installed"
+)
+
+
+# -- the schedule ----------------------------------------------------------------------
+
+
+def test_same_seed_same_schedule():
+    first = make_schedule(SEED, 20.0, TTL)
+    assert first == make_schedule(SEED, 20.0, TTL)
+    assert first != make_schedule(SEED + 1, 20.0, TTL)
+    assert {f.kind for f in first} == set(FaultKind)
+
+
+@pytest.mark.parametrize("seed", [0, 1, SEED, 2**40 + 3])
+@pytest.mark.parametrize("seconds", [20.0, 600.0])
+def test_schedule_is_ordered_bounded_and_healed_between_faults(seed: int, seconds: float):
+    schedule = make_schedule(seed, seconds, TTL)
+    assert schedule, "a 20 s run has room for several faults"
+    assert [f.index for f in schedule] == list(range(len(schedule)))
+    assert schedule[0].at >= 2 * TTL  # warm-up
+    assert schedule[-1].end <= seconds - 1.5 * TTL  # calm at the end
+    for before, after in itertools.pairwise(schedule):
+        assert after.at - before.end >= TTL  # healed for at least a TTL in between
+    for fault in schedule:
+        assert 0 <= fault.pick < 1
+        if fault.kind is FaultKind.DELAY and fault.variant == "within":
+            assert 2 * fault.amount < TTL / 3  # the round trip fits the renewal period
+        if fault.kind is FaultKind.DELAY and fault.variant == "beyond":
+            assert 2 * fault.amount > 2 * TTL / 3  # ... and here it does not fit the budget
+        if fault.kind in (FaultKind.STALL, FaultKind.BLACKHOLE):
+            assert fault.duration > TTL  # longer than a lease lives
+        if fault.kind is FaultKind.HOLDER_STOP:
+            assert fault.duration == pytest.approx(2.5 * TTL)
+    if seconds >= 600:
+        assert {f.kind for f in schedule} == set(FaultKind)
+
+
+def test_schedule_scales_with_the_ttl():
+    short, long = make_schedule(5, 60.0, 0.5), make_schedule(5, 120.0, 1.0)
+    assert [f.kind for f in short] == [f.kind for f in long]
+    for a, b in zip(short, long, strict=True):
+        assert b.at == pytest.approx(2 * a.at)
+        assert b.duration == pytest.approx(2 * a.duration)
+
+
+def test_print_schedule_replays(capsys: pytest.CaptureFixture[str]):
+    assert main(["--seed", str(SEED), "--print-schedule"]) == 0
+    once = capsys.readouterr().out
+    assert main(["--seed", str(SEED), "--seconds", "20", "--print-schedule"]) == 0
+    assert capsys.readouterr().out == once
+    assert once.count("\n") == len(make_schedule(SEED, 20.0, TTL))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--workers", "1"], ["--seconds", "0"], ["--ttl", "0.01"], ["--locks", "0"]],
+)
+def test_bad_arguments_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--print-schedule"])
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+# -- the checks ------------------------------------------------------------------------
+
+
+def _interval(holder: str, token_s: float, start: float, end: float) -> Interval:
+    """An interval on lock "a" whose fencing token was minted at wall time ``token_s``."""
+    return Interval("a", holder, int(token_s * 1e6), start, end)
+
+
+NOW = 1_700_000_000.0  # wall clock of the synthetic run; monotonic times are NOW - 1000
+
+
+def test_overlap_of_holders_not_paused_is_a_violation():
+    first = _interval("w1", NOW, 0.0, 1.0)
+    second = _interval("w2", NOW + 0.5, 0.5, 1.5)
+    classes = classify_overlaps([first, second], [], [], TTL, now_wall=NOW)
+    assert len(classes.unpaused) == 1
+    assert classes.unpaused[0].seconds == pytest.approx(0.5)
+    assert not classes.paused
+    assert not classes.after_data_loss
+
+
+def test_overlap_of_a_paused_holder_is_excused_also_when_it_was_acquiring():
+    first = _interval("w1", NOW, 0.0, 3.0)
+    second = _interval("w2", NOW + 1.5, 1.5, 2.0)
+    paused = classify_overlaps([first, second], [Pause("w1", 0.2, 2.9)], [], TTL, now_wall=NOW)
+    assert len(paused.paused) == 1
+    assert not paused.unpaused
+    # stopped before its guard began, while its acquire was in flight (within a TTL)
+    late = _interval("w1", NOW, 2.8, 3.0)
+    early = _interval("w2", NOW + 2.5, 2.5, 2.9)
+    stopped = [Pause("w1", 2.0, 2.7)]
+    assert classify_overlaps([late, early], stopped, [], TTL, now_wall=NOW).paused
+    # ... but not a pause that ended more than a TTL before
+    long_ago = [Pause("w1", 0.0, 1.0)]
+    assert classify_overlaps([late, early], long_ago, [], TTL, now_wall=NOW).unpaused
+
+
+def test_overlap_after_data_loss_is_allowed_only_across_the_loss():
+    offset = NOW - 1000.0  # wall minus monotonic
+    loss = DataLoss(1000.5, 1000.6, 1000.5 + offset, 1000.6 + offset)
+    old = _interval("w1", NOW - 0.2, 1000.0, 1000.9)  # granted before the flush
+    new = _interval("w2", NOW + 0.7, 1000.7, 1001.0)  # granted after it
+    classes = classify_overlaps([old, new], [], [loss], TTL, now_wall=NOW)
+    assert len(classes.after_data_loss) == 1
+    assert not classes.unpaused
+    # two holders both granted after the loss may not overlap
+    newer = _interval("w3", NOW + 0.8, 1000.8, 1001.2)
+    classes = classify_overlaps([new, newer], [], [loss], TTL, now_wall=NOW)
+    assert len(classes.unpaused) == 1
+    assert not classes.after_data_loss
+    # nor may a holder whose guard ended before the loss began
+    done = _interval("w1", NOW - 0.2, 1000.0, 1000.4)
+    assert classify_overlaps([done, new], [], [loss], TTL, now_wall=NOW).after_data_loss == ()
+
+
+def _stopped_holder_record(rounds: list[RoundReport]) -> RunRecord:
+    """A run in which worker w1 was stopped from t=1.0 to t=3.0 (SIGCONT sent at 2.999)."""
+    fault = Fault(0, 1.0, FaultKind.HOLDER_STOP, "", 2.0, 0.0, 0.5)
+    stop = Injection(fault, start=1.0, end=3.0, target="w1", resumed=2.999)
+    return RunRecord(
+        seed=1,
+        workers=2,
+        seconds=10.0,
+        locks=("a",),
+        ttl=TTL,
+        engine="test",
+        schedule=(fault,),
+        injections=(stop,),
+        rounds=tuple(rounds),
+        outcomes=(),
+        intervals=(),
+        pauses=(Pause("w1", 1.0, 3.0),),
+        attempts=(),
+        fenced_violations=(),
+        counters={},
+        keys_left=(),
+        wall_seconds=10.0,
+        replay="",
+    )
+
+
+def _lost(start: float, end: float, lost_at: float, reason: str = "deadline") -> RoundReport:
+    return RoundReport(
+        "w1", "a", int(NOW * 1e6), "lost", reason, None, start, end, start + 0.5, lost_at
+    )
+
+
+def test_sigcont_latency_counts_only_bodies_running_when_resumed():
+    running = _lost(0.5, 3.001, 3.0005)  # stopped mid-body, cancelled 2 ms after SIGCONT
+    later = _lost(3.2, 4.6, 4.7, "not_owner")  # began after the SIGCONT: not this figure
+    summary = summarize(_stopped_holder_record([running, later]))
+    figure = summary.data["detection_latency"]["after_sigcont"]
+    assert figure["n"] == 1
+    assert figure["max_ms"] == pytest.approx(2.0, abs=0.01)
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0
+
+
+# -- the 20-second run -----------------------------------------------------------------
+
+
+def _chaos(*args: str, timeout: float) -> tuple[int, str, str]:
+    """Run ``python -m asynclock.chaos ARGS``; on timeout stop it cleanly, then fail."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asynclock.chaos", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the run stops its workers and server
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"the chaos run did not end within {timeout:g} s\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+@needs_server
+def test_chaos_run_of_20_seconds():
+    """Four workers, three locks, 20 s of faults of every kind: every check passes."""
+    code, out, err = _chaos(
+        "--seconds", "20", "--workers", "4", "--seed", str(SEED), "--json", timeout=120
+    )
+    assert code == 0, f"{out}\n{err}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert summary["ok"]
+    assert summary["seed"] == SEED
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["counter_mismatches"] == 0
+    assert summary["keys_left"] == []
+    assert summary["workers_died"] == []
+    assert summary["unexpected_errors"] == 0
+    assert summary["fencing_order_violations"] == 0
+    assert len(summary["faults"]["by_kind"]) >= 6, summary["faults"]
+    assert summary["faults"]["errors"] == 0
+    assert summary["lock_lost"]["total"] > 0
+    assert summary["acquisitions"]["total"] >= 30
+    assert set(summary["acquisitions"]["by_lock"]) == {"lock-0", "lock-1", "lock-2"}
+    assert "overlap, not paused  0 pairs" in out
+    assert 20 <= summary["wall_seconds"] < 60
+
+
+@needs_server
+@pytest.mark.slow
+def test_chaos_run_catches_work_that_outlives_its_lease():
+    """Negative control: with the hidden ``--sabotage`` the workers' bodies ignore the loss
+    of their lease (shielded from its cancellation, no ``is_held()``). The checks must see
+    the overlap, fail the run and print the replay command; fencing still keeps the data
+    right."""
+    code, out, err = _chaos(
+        "--seconds", "20", "--workers", "4", "--seed", "5", "--sabotage", "--json", timeout=120
+    )
+    assert code == 1, f"{out}\n{err}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert summary["overlap"]["unpaused"]["count"] > 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["counter_mismatches"] == 0
+    replay = "FAILED: replay with python -m asynclock.chaos --seed 5 --workers 4 --seconds 20"
+    assert f"{replay} --sabotage" in out
