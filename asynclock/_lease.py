@@ -355,7 +355,7 @@ class LeaseContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         held, scope = self._lease, self._scope
         if held is None or scope is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
@@ -369,7 +369,7 @@ class LeaseContext:
             held._companion.room.wake(self._options.channel)
             await _unretain(held._companion)
         if held.state is not LeaseState.LOST:
-            return swallowed
+            return  # (our scope only cancels the body once the lease is lost)
         if body_error is None:
             cause = held._lost_cause
             raise LockLost(held.name, held.lost_reason or LossReason.DEADLINE) from cause
@@ -378,7 +378,7 @@ class LeaseContext:
                 f"asynclock: the lease {held.name!r} was lost ({held.lost_reason}) "
                 "while this block ran"
             )
-        return False
+        return None
 
     async def _give_back(self, held: Lease) -> None:
         """Stop renewing and release the key (shielded, within release_timeout).

@@ -1,0 +1,41 @@
+"""Type-checked use of the public API (checked by mypy in ./dev lint, never run).
+
+If a change to asynclock's signatures breaks a user's typed code, mypy fails here.
+"""
+
+from __future__ import annotations
+
+from typing import assert_type
+
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import Lease, LeaseState, LockLost, LossReason
+
+
+async def typical(redis: Redis) -> int:
+    async with asynclock.lease(redis, "orders:42", ttl=10, blocking_timeout=5) as lock:
+        assert_type(lock, Lease)
+        assert_type(lock.fencing_token, int)
+        assert_type(lock.token, str)
+        assert_type(lock.time_left, float)
+        assert_type(lock.state, LeaseState)
+        assert_type(await lock.is_held(), bool)
+        assert_type(await lock.is_held(verify=True), bool)
+        await lock.extend()
+        return lock.fencing_token
+
+
+def reasons(error: LockLost) -> str:
+    assert_type(error.reason, LossReason)
+    return error.reason.value
+
+
+def hook(event: asynclock.LeaseEvent) -> None:
+    assert_type(event.kind, asynclock.LeaseEventKind)
+    assert_type(event.at, float)
+
+
+async def with_hook(redis: Redis) -> None:
+    async with asynclock.lease(redis, "x", on_event=hook, blocking=False):
+        pass
