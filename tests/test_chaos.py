@@ -208,10 +208,14 @@ def test_percentile_is_nearest_rank():
 # -- the 20-second run -----------------------------------------------------------------
 
 
-def _chaos(*args: str, timeout: float) -> tuple[int, str, str]:
-    """Run ``python -m asynclock.chaos ARGS``; on timeout stop it cleanly, then fail."""
+def _chaos(*args: str, tmp: Path, timeout: float) -> tuple[int, str, str]:
+    """Run ``python -m asynclock.chaos ARGS``; on timeout stop it cleanly, then fail.
+
+    Its work directory (kept when a run fails) goes under ``tmp``, which pytest rotates.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["TMPDIR"] = str(tmp)
     proc = subprocess.Popen(
         [sys.executable, "-m", "asynclock.chaos", *args],
         cwd=ROOT,
@@ -234,10 +238,18 @@ def _chaos(*args: str, timeout: float) -> tuple[int, str, str]:
 
 
 @needs_server
-def test_chaos_run_of_20_seconds():
+def test_chaos_run_of_20_seconds(tmp_path: Path):
     """Four workers, three locks, 20 s of faults of every kind: every check passes."""
     code, out, err = _chaos(
-        "--seconds", "20", "--workers", "4", "--seed", str(SEED), "--json", timeout=120
+        "--seconds",
+        "20",
+        "--workers",
+        "4",
+        "--seed",
+        str(SEED),
+        "--json",
+        tmp=tmp_path,
+        timeout=120,
     )
     assert code == 0, f"{out}\n{err}"
     summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
@@ -261,13 +273,22 @@ def test_chaos_run_of_20_seconds():
 
 @needs_server
 @pytest.mark.slow
-def test_chaos_run_catches_work_that_outlives_its_lease():
+def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path):
     """Negative control: with the hidden ``--sabotage`` the workers' bodies ignore the loss
     of their lease (shielded from its cancellation, no ``is_held()``). The checks must see
     the overlap, fail the run and print the replay command; fencing still keeps the data
     right."""
     code, out, err = _chaos(
-        "--seconds", "20", "--workers", "4", "--seed", "5", "--sabotage", "--json", timeout=120
+        "--seconds",
+        "20",
+        "--workers",
+        "4",
+        "--seed",
+        "5",
+        "--sabotage",
+        "--json",
+        tmp=tmp_path,
+        timeout=120,
     )
     assert code == 1, f"{out}\n{err}"
     summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
