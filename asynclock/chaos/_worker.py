@@ -71,7 +71,7 @@ _VERIFY: Final = 0.25  # share of rounds that verify the lease with Redis before
 _WARNINGS: Final = (  # (text in an asynclock warning, the key it is counted under)
     ("stall", "event loop stall"),
     ("lost:", "lease lost"),
-    ("not handed out", "acquire answered too late"),
+    ("refreshing before use", "acquire answered too late"),
     ("could not undo", "abandoned acquire not undone"),
     ("did not complete", "release not completed"),
 )
