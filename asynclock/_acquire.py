@@ -27,7 +27,7 @@ from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseErro
 
 from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
-from ._options import LeaseOptions, drift_for
+from ._options import LeaseOptions
 from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
 
@@ -143,7 +143,7 @@ class Acquisition:
         server that is already slow).
         """
         ttl = self._options.ttl
-        left = t_send + ttl - drift_for(ttl) - self._loop.time()
+        left = self._options.safe_until(t_send) - self._loop.time()
         if left >= ttl / 3:
             self._landed = False
             return True

@@ -27,7 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from ._scripts import pack
+from ._scripts import encoding_of, pack
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
@@ -88,10 +88,6 @@ class Companion:
         self._users = 0
         self._eviction_check: asyncio.Task[None] | None = None
 
-    @property
-    def in_use(self) -> bool:
-        return self._users > 0
-
     def retain(self) -> None:
         """Count one more lease or waiter using this companion."""
         self._users += 1
@@ -109,11 +105,7 @@ class Companion:
 
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
-        return pack(
-            args,
-            self.settings.get("encoding", "utf-8"),
-            self.settings.get("encoding_errors", "strict"),
-        )
+        return pack(args, *encoding_of(self.client))
 
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""

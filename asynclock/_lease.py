@@ -30,7 +30,7 @@ from ._acquire import Acquisition
 from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
-from ._options import LeaseOptions, drift_for
+from ._options import LeaseOptions
 from ._scripts import RELEASE, RENEW, UNKNOWN_OUTCOME, Arg, Script, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish, finish_idempotent
 from ._watchdog import report_stall
@@ -81,7 +81,6 @@ class Lease:
         "_lost_cause",
         "_lost_reason",
         "_options",
-        "_renew_args",
         "_renew_packed",
         "_safe_until",
         "_scope",
@@ -110,14 +109,13 @@ class Lease:
         """Strictly greater than every fencing token issued before for this name."""
         self._value = f"{token}:{fencing_token}"
         self._last_send = t_send
-        self._safe_until = t_send + options.ttl - drift_for(options.ttl)
+        self._safe_until = options.safe_until(t_send)
         self._state = LeaseState.HELD
         self._lost_reason: LossReason | None = None
         self._lost_cause: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
         self._due: float | None = None  # when the watchdog renews next (loop time)
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
-        self._renew_args: Final = (self._value, options.ttl_ms)
         self._renew_packed: bytes | None = None  # the renew command, packed at first use
         self._closing = False
 
@@ -256,7 +254,7 @@ class Lease:
         client = self._companion.renewer()
         t_send = self._loop.time()
         async with asyncio.timeout(limit):
-            reply = await RENEW(client, [self.key], self._renew_args)
+            reply = await RENEW(client, [self.key], [self._value, self._options.ttl_ms])
         if reply != 1:
             self._lose(LossReason.NOT_OWNER)
             return False
@@ -268,7 +266,7 @@ class Lease:
         if self._loop.time() >= self._safe_until:
             self._lose(LossReason.DEADLINE, self._lost_cause)
             return False
-        safe_until = t_send + self.ttl - drift_for(self.ttl)
+        safe_until = self._options.safe_until(t_send)
         if safe_until > self._safe_until:
             self._safe_until = safe_until  # the deadline timer looks again when it fires
             self._last_send = t_send

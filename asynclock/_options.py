@@ -82,6 +82,11 @@ class LeaseOptions:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""
         return f"{self.key}:void:{token}"
 
+    def safe_until(self, t_send: float) -> float:
+        """The safe deadline of a lease whose last confirmed command was sent at loop time
+        ``t_send``: ``t_send + ttl - drift`` (seconds)."""
+        return t_send + self.ttl - drift_for(self.ttl)
+
     @property
     def ttl_ms(self) -> int:
         return max(1, round(self.ttl * 1000))
