@@ -28,14 +28,20 @@ from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseErro
 from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
 from ._options import LeaseOptions
-from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
+from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, exchange, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
+from ._wakeup import Waiter
 
-__all__ = ["Acquisition", "Grant"]
+__all__ = ["Acquisition", "Grant", "fence_ttl_ms"]
 
 log = logging.getLogger("asynclock")
 
 _DAY_MS: Final = 86_400_000
+
+
+def fence_ttl_ms(ttl_ms: int) -> int:
+    """How long (ms) a lock's fencing counter outlives its last write: a day, or 10 x ttl."""
+    return max(_DAY_MS, 10 * ttl_ms)
 
 
 class Grant(NamedTuple):
@@ -49,7 +55,7 @@ class Grant(NamedTuple):
 class Acquisition:
     """One acquire: a single attempt, or the wait in the local line until one succeeds."""
 
-    __slots__ = ("_companion", "_landed", "_loop", "_options", "_token")
+    __slots__ = ("_companion", "_landed", "_loop", "_options", "_registered", "_token", "_waiter")
 
     def __init__(self, companion: Companion, options: LeaseOptions) -> None:
         self._companion = companion
@@ -57,6 +63,8 @@ class Acquisition:
         self._loop = companion.loop
         self._token = secrets.token_hex(16)
         self._landed = False  # our key is (or may be) set but not handed out
+        self._waiter: Waiter | None = None  # our place in the local line while waiting
+        self._registered = False  # a failed attempt registered our client as waiting
 
     async def run(self) -> Grant:
         """Acquire, by one attempt or by waiting in line, as the options say.
@@ -79,8 +87,9 @@ class Acquisition:
                     return Grant(self._token, value, t_send)
             raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
         except BaseException:
-            if self._landed:  # we hold the key but never handed it out
-                await self._abandon()
+            waiter = self._waiter
+            if self._landed or (waiter is not None and waiter.offered):
+                await self._abandon()  # we hold (or may be handed) the key, never used
             raise
 
     async def _wait(self) -> Grant:
@@ -89,18 +98,27 @@ class Acquisition:
         channel = options.channel
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
-        waiter = room.join(channel)
+        waiter = self._waiter = room.join(channel, Waiter(self._token, options.ttl_ms))
         granted: Grant | None = None
         try:
             subscribed = False
             fallback: float | None = None
             while True:
+                if waiter.grant is not None:  # a releaser in this client handed it to us
+                    fence, t_send = waiter.grant
+                    waiter.grant = None
+                    if self._usable(t_send):
+                        waiter.offered = False
+                        granted = Grant(self._token, fence, t_send)
+                        return granted
+                    waiter.event.set()  # too late to use: refresh it with an attempt
                 head = room.is_head(channel, waiter)
                 if head and (waiter.event.is_set() or fallback == 0):
                     waiter.event.clear()
-                    status, value, t_send = await self._attempt()
+                    status, value, t_send = await self._attempt(waiting=True)
                     if status == 1:
                         if self._usable(t_send):
+                            waiter.offered = False
                             granted = Grant(self._token, value, t_send)
                             return granted
                         if deadline is not None and self._loop.time() >= deadline:
@@ -126,6 +144,8 @@ class Acquisition:
             # Having just taken the lock, do not send the next in line to try in vain:
             # our release will wake it.
             room.leave(channel, waiter, wake_next=granted is None)
+            if granted is None and self._registered and not room.waiting(channel):
+                await self._unregister()
 
     def _fallback(self, pttl_ms: int) -> float:
         """Seconds to wait before trying again without a notification."""
@@ -156,7 +176,7 @@ class Acquisition:
         )
         return False
 
-    async def _attempt(self) -> tuple[int, int, float]:
+    async def _attempt(self, *, waiting: bool = False) -> tuple[int, int, float]:
         """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
 
         A connection error or timeout leaves the outcome unknown, so the same script is
@@ -165,8 +185,20 @@ class Acquisition:
         caller is cancelled, the attempt is abandoned (see ``_abandon``) before raising.
         """
         options = self._options
-        keys = [options.key, options.fence_key, options.void_key(self._token)]
-        args: list[Arg] = [self._token, options.ttl_ms, max(_DAY_MS, 10 * options.ttl_ms)]
+        keys = [options.key, options.fence_key, options.void_key(self._token), options.waiting_key]
+        # A failed attempt of a blocking wait registers this client as waiting, so a
+        # releaser in another client does not hand the lock within its own line.
+        origin = self._companion.room.origin if waiting else ""
+        register_ms = 2 * options.ttl_ms + 1000
+        args: list[Arg] = [
+            self._token,
+            options.ttl_ms,
+            fence_ttl_ms(options.ttl_ms),
+            origin,
+            register_ms,
+            "1" if self._registered else "0",
+        ]
+        self._registered = self._registered or waiting
         before = cancelling()
         client = self._companion.client
         may_have_landed = False
@@ -207,6 +239,20 @@ class Acquisition:
         if status < 0:
             raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
         return status, value, t_send
+
+    async def _unregister(self) -> None:
+        """Our line gave up waiting: drop our client's registration as a waiter, so that
+        other clients' releasers hand the lock on within their own lines again without
+        standing back for us (best effort; it expires by itself otherwise)."""
+        options = self._options
+        companion = self._companion
+        command = companion.pack("HDEL", options.waiting_key, companion.room.origin)
+        try:
+            await finish(exchange(companion.client, command, 1), min(1.0, options.release_timeout))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("asynclock: could not unregister a wait for %r: %r", options.name, exc)
 
     async def _abandon(self) -> None:
         """Undo an attempt that may have landed, and stop it from landing later."""

@@ -26,13 +26,14 @@ import anyio.lowlevel
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError
 
-from ._acquire import Acquisition
+from ._acquire import Acquisition, fence_ttl_ms
 from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
-from ._scripts import RELEASE, RENEW, UNKNOWN_OUTCOME, Arg, Script, run_idempotent
+from ._scripts import HANDOFF, RELEASE, RENEW, UNKNOWN_OUTCOME, Arg, Script, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish, finish_idempotent
+from ._wakeup import Waiter
 from ._watchdog import report_stall
 
 __all__ = ["Lease", "LeaseContext", "LeaseState", "lease"]
@@ -360,11 +361,15 @@ class LeaseContext:
         swallowed = bool(scope.__exit__(exc_type, exc, tb))
         held._scope = None
         body_error = None if swallowed else exc
+        contested = False
         try:
-            await self._give_back(held)
+            contested = await self._give_back(held)
         finally:
             held._end()
-            held._companion.room.wake(self._options.channel)
+            if contested:
+                held._companion.room.wake_with_others(self._options.channel)
+            else:
+                held._companion.room.wake(self._options.channel)
             await _unretain(held._companion)
         if held.state is not LeaseState.LOST:
             return  # (our scope only cancels the body once the lease is lost)
@@ -378,8 +383,10 @@ class LeaseContext:
             )
         return None
 
-    async def _give_back(self, held: Lease) -> None:
-        """Stop renewing and release the key (shielded, within release_timeout).
+    async def _give_back(self, held: Lease) -> bool:
+        """Stop renewing and release the key (shielded, within release_timeout), or hand
+        it to the next waiter of this client's line. Returns True when the release let
+        waiters of other clients compete (see ``WaitingRoom.wake_with_others``).
 
         A renewal of this lease may still be in flight in a batch with other leases'; it
         is not waited for: the renew script is owner-checked, so landing after the
@@ -387,13 +394,20 @@ class LeaseContext:
         """
         held._closing = True
         if held.lost_reason is LossReason.NOT_OWNER:
-            return  # the key is known not to be ours
+            return False  # the key is known not to be ours
         runs = 0
+        # The next waiter in this client's line, if any, is handed the key directly.
+        successor = held._companion.room.head(self._options.channel)
+        if successor is not None and (successor.offered or successor.grant is not None):
+            successor = None
+        t_offer = held._loop.time()
+        if successor is not None:
+            successor.offered = True  # from now on the key may hold its token
 
-        def release() -> Coroutine[Any, Any, bool | None]:
+        def release() -> Coroutine[Any, Any, _Outcome | None]:
             nonlocal runs
             runs += 1  # a second run (after a native cancellation) is not definitive
-            return _release(held, first=runs == 1)
+            return _release(held, first=runs == 1, successor=successor, t_offer=t_offer)
 
         try:
             released = await finish_idempotent(release, self._options.release_timeout)
@@ -406,33 +420,82 @@ class LeaseContext:
                 exc,
             )
             held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
-            return
-        if released:
+            return False
+        if released is _Outcome.NOT_OURS:
+            if held.state in _ACTIVE:
+                held._lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
+        elif released is not None:
             held._event(LeaseEventKind.RELEASED)
-        elif released is False and held.state in _ACTIVE:
-            held._lose(LossReason.NOT_OWNER)  # the key vanished without the watchdog noticing
+        return released is _Outcome.CONTESTED
 
 
-async def _release(held: Lease, *, first: bool) -> bool | None:
-    """Release ``held``: True if our key was deleted; False if Redis answered that the key
-    was not ours while we still believed we held it (the work may have overlapped another
-    holder); None if that answer proves nothing: a retry after a lost reply (the first
-    attempt may have deleted the key), or a release sent after the safe deadline."""
+class _Outcome(enum.Enum):
+    """What a release found."""
+
+    RELEASED = "released"  # deleted, waiters notified
+    CONTESTED = "contested"  # deleted, waiters notified, waiters of other clients registered
+    HANDED = "handed"  # handed to the next waiter of this client
+    NOT_OURS = "not ours"  # definitively not our key (see _release)
+
+
+async def _release(
+    held: Lease, *, first: bool, successor: Waiter | None = None, t_offer: float = 0.0
+) -> _Outcome | None:
+    """Release ``held``. Returns NOT_OURS if Redis answered that the key was not ours
+    while we still believed we held it (the work may have overlapped another holder); None
+    if that answer proves nothing: a retry after a lost reply (the first attempt may have
+    released the key), or a release sent after the safe deadline.
+
+    With a ``successor`` (the head of this client's line for the lock) the HANDOFF script
+    gives it the key in the same round trip unless a waiter of another client is
+    registered; the successor's lease counts from ``t_offer``, taken before the first send.
+    """
     companion = held._companion
-    keys = [held.key]
-    args: list[Arg] = [held._value, held._options.channel, companion.room.origin]
+    options = held._options
+    script: Script
+    if successor is None:
+        script = RELEASE
+        keys = [options.key]
+        args: list[Arg] = [held._value, options.channel, companion.room.origin]
+    else:
+        script = HANDOFF
+        keys = [
+            options.key,
+            options.fence_key,
+            options.void_key(successor.token),
+            options.waiting_key,
+        ]
+        args = [
+            held._value,
+            successor.token,
+            successor.ttl_ms,
+            fence_ttl_ms(successor.ttl_ms),
+            options.channel,
+            companion.room.origin,
+            "1" if companion.room.waiting(options.channel) > 1 else "0",
+        ]
     t_send = companion.loop.time()
     try:
-        reply = await RELEASE(companion.client, keys, args)
+        reply = await script(companion.client, keys, args)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
-        reply = await RELEASE(companion.overflow(), keys, args)
+        reply = await script(companion.overflow(), keys, args)
     except UNKNOWN_OUTCOME as exc:
         log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
         first = False
-        reply = await RELEASE(companion.overflow(), keys, args)
-    if reply == 1:
-        return True
-    return False if first and t_send < held.safe_until else None
+        reply = await script(companion.overflow(), keys, args)
+    if successor is None:
+        if reply == 1:
+            return _Outcome.RELEASED
+    else:
+        status, fence = (int(x) for x in reply)  # type: ignore[attr-defined]
+        if status == 1:
+            successor.grant = (fence, t_offer)
+            successor.event.set()
+            return _Outcome.HANDED
+        successor.offered = False  # a definitive answer: the key was not handed over
+        if status == 2:
+            return _Outcome.CONTESTED
+    return _Outcome.NOT_OURS if first and t_send < held.safe_until else None
 
 
 async def _unretain(companion: Companion) -> None:

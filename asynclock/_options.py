@@ -78,6 +78,11 @@ class LeaseOptions:
         """The pub/sub channel on which releases of the lock are announced."""
         return self.key + ":released"
 
+    @property
+    def waiting_key(self) -> str:
+        """The hash in which blocking waits register their client (see ``HANDOFF``)."""
+        return self.key + ":waiting"
+
     def void_key(self, token: str) -> str:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""
         return f"{self.key}:void:{token}"

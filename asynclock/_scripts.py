@@ -6,6 +6,8 @@ they live in one Redis Cluster slot)::
     P{N}                 the lease; value "<token>:<fencing token>", PX = ttl
     P{N}:fence           the last fencing token minted; PX = a day or 10 x ttl
     P{N}:void:<token>    tombstone of an abandoned acquire attempt; PX = max(3 x ttl, 10 s)
+    P{N}:waiting         hash: origin id of a client with a waiter -> until when (server ms);
+                         written by failed attempts of blocking waits, read by HANDOFF
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
 
 The value carries the fencing token so that an acquire retried after a lost reply can
@@ -30,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 __all__ = [
     "ABANDON",
     "ACQUIRE",
+    "HANDOFF",
     "RELEASE",
     "RENEW",
     "UNKNOWN_OUTCOME",
@@ -141,8 +144,12 @@ async def run_idempotent(
 ACQUIRE = Script(
     "acquire",
     """
--- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone
--- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms)
+-- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
+-- KEYS[4] the lock's waiting hash
+-- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms),
+-- ARGV[4] origin id of a blocking wait ('' when not waiting), ARGV[5] how long (ms) a
+-- failed attempt registers that origin as waiting, ARGV[6] '1' if this wait registered
+-- before (then a success unregisters it)
 -- returns {1, fencing token} when held by this token (new, or a retry of ours),
 --         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
@@ -152,6 +159,12 @@ if current then
   if string.sub(current, 1, #mine) == mine then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return {1, tonumber(string.sub(current, #mine + 1))}
+  end
+  if ARGV[4] ~= '' then
+    local t = redis.call('TIME')
+    local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ARGV[5]
+    redis.call('HSET', KEYS[4], ARGV[4], until_ms)
+    redis.call('PEXPIRE', KEYS[4], ARGV[5])
   end
   return {0, redis.call('PTTL', KEYS[1])}
 end
@@ -167,6 +180,9 @@ end
 local text = string.format('%d', fence)
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+if ARGV[6] == '1' then
+  redis.call('HDEL', KEYS[4], ARGV[4])
+end
 return {1, fence}
 """,
 )
@@ -197,6 +213,62 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return 1
 end
 return 0
+""",
+)
+
+HANDOFF = Script(
+    "handoff",
+    """
+-- The release of a lock that has a waiter in the releasing client's own line: the key
+-- goes straight to that waiter's token (with a new fencing token), in the same round
+-- trip, unless a waiter of another client is registered, in which case it is a plain
+-- release and every client's waiters get their chance.
+-- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
+-- KEYS[4] the lock's waiting hash
+-- ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms),
+-- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
+-- ARGV[7] '1' if our line has more waiters behind the next holder (else our client's
+-- registration as waiting is dropped)
+-- returns {1, fencing token} when the key now belongs to the next token (also when a
+--         retry finds it already did),
+--         {2, 0} when it was released as RELEASE does (key deleted, waiters notified),
+--         {0, 0} when the key was not ours
+local current = redis.call('GET', KEYS[1])
+local nextmine = ARGV[2] .. ':'
+if current and string.sub(current, 1, #nextmine) == nextmine then
+  return {1, tonumber(string.sub(current, #nextmine + 1))}
+end
+if current ~= ARGV[1] then
+  return {0, 0}
+end
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local others = false
+local waiting = redis.call('HGETALL', KEYS[4])
+for i = 1, #waiting, 2 do
+  if tonumber(waiting[i + 1]) <= now_ms then
+    redis.call('HDEL', KEYS[4], waiting[i])
+  elseif waiting[i] ~= ARGV[6] then
+    others = true
+  end
+end
+if others or redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[5], ARGV[6])
+  return {2, 0}
+end
+local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('GET', KEYS[2]))
+if last and last >= fence then
+  fence = last + 1
+end
+local text = string.format('%d', fence)
+redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
+redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
+if ARGV[7] ~= '1' then
+  redis.call('HDEL', KEYS[4], ARGV[6])
+end
+return {1, fence}
 """,
 )
 

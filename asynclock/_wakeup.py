@@ -30,16 +30,26 @@ __all__ = ["Waiter", "WaitingRoom"]
 log = logging.getLogger("asynclock")
 
 _SUBSCRIBE_LIMIT = 1.0  # seconds a waiter waits for a subscription to be confirmed
+_YIELD = 0.02  # seconds our head stands back after a release that others compete for
 _STALE_CHANNELS = 64  # unused subscriptions kept before they are dropped in one batch
 
 
 class Waiter:
-    """One contender waiting in a line; ``event`` is set to wake it."""
+    """One contender waiting in a line; ``event`` is set to wake it.
 
-    __slots__ = ("event",)
+    A releaser of the same client may hand the lock straight to the head of the line (the
+    ``HANDOFF`` script): it sets ``offered`` before sending (from then on the key may hold
+    this waiter's ``token``), then ``grant`` (fencing token, t_send) if the handoff landed.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("event", "grant", "offered", "token", "ttl_ms")
+
+    def __init__(self, token: str = "", ttl_ms: int = 0) -> None:
         self.event = asyncio.Event()
+        self.token = token
+        self.ttl_ms = ttl_ms
+        self.offered = False
+        self.grant: tuple[int, float] | None = None
 
 
 class WaitingRoom:
@@ -60,6 +70,7 @@ class WaitingRoom:
         self._healthy = False
         self._starting = asyncio.Lock()
         self._subscribed: set[str] = set()  # channels sent SUBSCRIBE and not UNSUBSCRIBE
+        self._deferred: set[str] = set()  # local wakes waiting for our own notification
 
     @property
     def open(self) -> bool:
@@ -67,14 +78,23 @@ class WaitingRoom:
 
     # -- local lines -------------------------------------------------------------------
 
-    def join(self, channel: str) -> Waiter:
-        """Add a waiter at the end of ``channel``'s line."""
-        waiter = Waiter()
+    def join(self, channel: str, waiter: Waiter) -> Waiter:
+        """Add ``waiter`` at the end of ``channel``'s line."""
         line = self._lines.setdefault(channel, deque())
         line.append(waiter)
         if len(line) == 1:
             waiter.event.set()
         return waiter
+
+    def head(self, channel: str) -> Waiter | None:
+        """The first waiter in ``channel``'s line, if any."""
+        line = self._lines.get(channel)
+        return line[0] if line else None
+
+    def waiting(self, channel: str) -> int:
+        """How many waiters are in ``channel``'s line."""
+        line = self._lines.get(channel)
+        return len(line) if line else 0
 
     def is_head(self, channel: str, waiter: Waiter) -> bool:
         line = self._lines.get(channel)
@@ -98,6 +118,20 @@ class WaitingRoom:
         line = self._lines.get(channel)
         if line:
             line[0].event.set()
+
+    def wake_with_others(self, channel: str) -> None:
+        """A release of ours found waiters of other clients registered: let them have the
+        lock. Our own head stands back for a moment instead of racing them (it would win
+        every time, starting first), and is woken by the next release notification, or
+        after ``_YIELD`` seconds should the others not take it (a waiter that went away
+        stays registered until its registration expires)."""
+        self._deferred.add(channel)
+        asyncio.get_running_loop().call_later(_YIELD, self._wake_deferred, channel)
+
+    def _wake_deferred(self, channel: str) -> None:
+        if channel in self._deferred:
+            self._deferred.discard(channel)
+            self.wake(channel)
 
     def _wake_all(self) -> None:
         for line in self._lines.values():
@@ -186,6 +220,7 @@ class WaitingRoom:
         channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
         if kind == b"message":
             if len(reply) < 3 or reply[2] != self._origin_bytes:  # our own: woken already
+                self._deferred.discard(channel)
                 self.wake(channel)
         elif kind == b"subscribe":
             self._confirmed.add(channel)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from helpers import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
@@ -101,3 +102,77 @@ def test_cancel_after_any_number_of_loop_steps_leaves_no_key(redis_server: Any, 
 
 async def _make_event() -> asyncio.Event:
     return asyncio.Event()
+
+
+def test_cancel_around_a_local_handoff_leaves_no_key(redis_server: Any, prefix: str):
+    """A waiter is cancelled after a random number of loop steps while the holder in the
+    same client releases (and so hands it the lock) after another random number: the
+    handoff may land before, during or after the waiter's cancellation. Afterwards the
+    key is absent, no waiter is left in line, and nothing lands later."""
+    loop = asyncio.new_event_loop()
+    client = Redis.from_url(redis_server.url)
+    outcomes = {"before": 0, "inside": 0}
+    key = prefix + "{relay}"
+
+    async def one_case(release_after: int, cancel_after: int) -> None:
+        holding = asyncio.Event()
+        release = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def holder() -> None:
+            async with asynclock.lease(client, "relay", ttl=30, prefix=prefix):
+                holding.set()
+                await release.wait()
+
+        async def waiter() -> None:
+            async with asynclock.lease(client, "relay", ttl=30, prefix=prefix):
+                entered.set()
+                await asyncio.Event().wait()
+
+        held = loop.create_task(holder())
+        await holding.wait()
+        waiting = loop.create_task(waiter())
+        await wait_until(lambda: _queued(client, key), what="the waiter in line")
+        for step in range(max(release_after, cancel_after) + 1):
+            if step == release_after:
+                release.set()
+            if step == cancel_after:
+                waiting.cancel()
+            await asyncio.sleep(0)
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await held
+        outcomes["inside" if entered.is_set() else "before"] += 1
+        assert await client.get(key) is None
+        assert not companion_for(client).room._lines
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(
+        release_after=st.integers(min_value=0, max_value=40),
+        cancel_after=st.integers(min_value=0, max_value=60),
+    )
+    def run(release_after: int, cancel_after: int) -> None:
+        loop.run_until_complete(one_case(release_after, cancel_after))
+
+    try:
+        run()
+
+        async def settle_and_check() -> None:
+            await asyncio.sleep(0.3)  # anything still on its way has landed by now
+            assert await client.get(key) is None
+
+        loop.run_until_complete(settle_and_check())
+        assert outcomes["before"] >= 10, outcomes
+        assert outcomes["inside"] >= 10, outcomes
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
+
+
+async def _queued(redis: Redis, key: str) -> bool:
+    return bool(companion_for(redis).room.waiting(key + ":released"))

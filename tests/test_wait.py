@@ -8,11 +8,12 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import commandstat, wait_until
+from helpers import Monitor, commandstat, wait_until
 from redis.asyncio import Redis
 
 import asynclock
 from asynclock._connections import companion_for
+from asynclock._scripts import HANDOFF, RELEASE
 from asynclock.testing import RedisServer
 
 
@@ -188,3 +189,73 @@ async def test_local_waiters_are_served_in_arrival_order(client: Redis, prefix: 
 async def _line_length(redis: Redis, name: str, prefix: str, n: int) -> bool:
     line = companion_for(redis).room._lines.get(f"{prefix}{{{name}}}:released")
     return line is not None and len(line) == n
+
+
+async def test_release_hands_the_lock_to_the_next_local_waiter_in_one_round_trip(
+    client: Redis, redis_server: Any, prefix: str
+):
+    """A release with a waiter in the same client's line gives it the key directly: one
+    HANDOFF script call, no DEL, no PUBLISH, and no attempt of the waiter's own."""
+    key = f"{prefix}{{relay}}"
+    got: list[asynclock.Lease] = []
+    entered = asyncio.Event()
+    for script in (HANDOFF, RELEASE):  # so each shows up once (no NOSCRIPT fallback)
+        await client.script_load(script.source)
+
+    async def waiter() -> None:
+        async with asynclock.lease(client, "relay", ttl=30, prefix=prefix) as lock:
+            got.append(lock)
+            entered.set()
+
+    async with Monitor(redis_server.url) as monitor:
+        async with asynclock.lease(client, "relay", ttl=30, prefix=prefix) as first:
+            task = asyncio.create_task(waiter())
+            await wait_until(lambda: _line_length(client, "relay", prefix, 1), what="queueing")
+            await wait_until(
+                lambda: _subscribed(client, "relay", prefix), what="the waiter's subscription"
+            )
+            await monitor.mark()
+            start = len(monitor.lines)
+        await asyncio.wait_for(entered.wait(), 5)
+        await task
+        await monitor.mark()
+        during = [line for line in monitor.lines[start:] if key in line and " lua]" not in line]
+    # the handoff, then the new holder's release; nothing in between
+    assert len(during) == 2, "\n".join(during)
+    assert HANDOFF.sha in during[0], during
+    assert RELEASE.sha in during[1], during
+    assert got[0].fencing_token > first.fencing_token
+    assert await client.exists(key) == 0
+
+
+async def test_a_waiter_in_another_client_is_not_starved_by_local_handoffs(
+    client: Redis, make_client: Any, redis_server: Any, prefix: str
+):
+    """Two tasks of one client pass the lock back and forth by handoff; a waiter of
+    another client registers as waiting, so the next release is a plain one and the
+    outsider gets the lock, long before either ttl could run out."""
+    stop = asyncio.Event()
+    rounds = 0
+
+    async def local() -> None:
+        nonlocal rounds
+        while not stop.is_set():
+            async with asynclock.lease(client, "shared", ttl=30, prefix=prefix):
+                rounds += 1
+                await asyncio.sleep(0.002)
+
+    locals_ = [asyncio.create_task(local()) for _ in range(2)]
+    try:
+        await wait_until(lambda: _at_least(lambda: rounds, 20), what="local handoffs")
+        outsider = make_client(redis_server.url)
+        started = time.monotonic()
+        async with asynclock.lease(outsider, "shared", ttl=30, prefix=prefix, blocking_timeout=10):
+            waited = time.monotonic() - started
+    finally:
+        stop.set()
+        await asyncio.gather(*locals_)
+    assert waited < 2.0, waited
+
+
+async def _at_least(value: Any, n: int) -> bool:
+    return bool(value() >= n)
