@@ -32,16 +32,29 @@ from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, exchange, run_idem
 from ._shield import cancel_dropped, cancelling, finish
 from ._wakeup import Waiter
 
-__all__ = ["Acquisition", "Grant", "fence_ttl_ms"]
+__all__ = ["HANDOFF_PATIENCE_MS", "Acquisition", "Grant", "fence_ttl_ms", "register_ms"]
 
 log = logging.getLogger("asynclock")
 
 _DAY_MS: Final = 86_400_000
 
+HANDOFF_PATIENCE_MS: Final = 5
+"""A releaser hands the lock within its own client's line until a waiter of another
+client has been registered this long (ms); then it lets every client compete."""
+
 
 def fence_ttl_ms(ttl_ms: int) -> int:
     """How long (ms) a lock's fencing counter outlives its last write: a day, or 10 x ttl."""
     return max(_DAY_MS, 10 * ttl_ms)
+
+
+def register_ms(ttl_ms: int) -> int:
+    """How long (ms) a registration as waiting lasts unless refreshed: 2 x ttl + 1 s.
+
+    A waiting head refreshes it by each failed attempt, and tries at least every half of
+    that (``Acquisition._fallback``), so a live wait never lapses; a crashed one does.
+    """
+    return 2 * ttl_ms + 1000
 
 
 class Grant(NamedTuple):
@@ -55,7 +68,7 @@ class Grant(NamedTuple):
 class Acquisition:
     """One acquire: a single attempt, or the wait in the local line until one succeeds."""
 
-    __slots__ = ("_companion", "_landed", "_loop", "_options", "_registered", "_token", "_waiter")
+    __slots__ = ("_companion", "_landed", "_loop", "_options", "_token", "_waiter")
 
     def __init__(self, companion: Companion, options: LeaseOptions) -> None:
         self._companion = companion
@@ -64,7 +77,6 @@ class Acquisition:
         self._token = secrets.token_hex(16)
         self._landed = False  # our key is (or may be) set but not handed out
         self._waiter: Waiter | None = None  # our place in the local line while waiting
-        self._registered = False  # a failed attempt registered our client as waiting
 
     async def run(self) -> Grant:
         """Acquire, by one attempt or by waiting in line, as the options say.
@@ -144,7 +156,7 @@ class Acquisition:
             # Having just taken the lock, do not send the next in line to try in vain:
             # our release will wake it.
             room.leave(channel, waiter, wake_next=granted is None)
-            if granted is None and self._registered and not room.waiting(channel):
+            if granted is None and not room.waiting(channel) and room.registered(channel):
                 await self._unregister()
 
     def _fallback(self, pttl_ms: int) -> float:
@@ -152,7 +164,8 @@ class Acquisition:
         if pttl_ms < 0:  # a key without expiry (set from outside): look again after a ttl
             return self._options.ttl
         pttl = pttl_ms / 1000
-        return pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
+        wait = pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
+        return min(wait, register_ms(self._options.ttl_ms) / 2000)  # keep registered
 
     def _usable(self, t_send: float) -> bool:
         """Whether a successful attempt sent at ``t_send`` leaves enough validity to use.
@@ -186,19 +199,24 @@ class Acquisition:
         """
         options = self._options
         keys = [options.key, options.fence_key, options.void_key(self._token), options.waiting_key]
-        # A failed attempt of a blocking wait registers this client as waiting, so a
-        # releaser in another client does not hand the lock within its own line.
-        origin = self._companion.room.origin if waiting else ""
-        register_ms = 2 * options.ttl_ms + 1000
+        # A blocking wait registers this client as waiting (see HANDOFF), so releasers
+        # in other clients let it have the lock after at most HANDOFF_PATIENCE_MS.
+        room = self._companion.room
+        channel = options.channel
+        on_success = ""
+        if waiting:
+            if room.waiting(channel) > 1:
+                on_success = "keep"
+            elif room.registered(channel):
+                on_success = "drop"
         args: list[Arg] = [
             self._token,
             options.ttl_ms,
             fence_ttl_ms(options.ttl_ms),
-            origin,
-            register_ms,
-            "1" if self._registered else "0",
+            room.origin if waiting else "",
+            register_ms(options.ttl_ms),
+            on_success,
         ]
-        self._registered = self._registered or waiting
         before = cancelling()
         client = self._companion.client
         may_have_landed = False
@@ -238,6 +256,8 @@ class Acquisition:
             raise asyncio.CancelledError
         if status < 0:
             raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        if waiting:
+            room.set_registered(channel, on_success == "keep" if status == 1 else True)
         return status, value, t_send
 
     async def _unregister(self) -> None:
@@ -247,6 +267,7 @@ class Acquisition:
         options = self._options
         companion = self._companion
         command = companion.pack("HDEL", options.waiting_key, companion.room.origin)
+        companion.room.set_registered(options.channel, False)
         try:
             await finish(exchange(companion.client, command, 1), min(1.0, options.release_timeout))
         except asyncio.CancelledError:

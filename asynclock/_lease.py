@@ -26,7 +26,7 @@ import anyio.lowlevel
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError
 
-from ._acquire import Acquisition, fence_ttl_ms
+from ._acquire import HANDOFF_PATIENCE_MS, Acquisition, fence_ttl_ms, register_ms
 from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
@@ -472,7 +472,9 @@ async def _release(
             fence_ttl_ms(successor.ttl_ms),
             options.channel,
             companion.room.origin,
-            "1" if companion.room.waiting(options.channel) > 1 else "0",
+            "keep" if companion.room.waiting(options.channel) > 1 else "drop",
+            register_ms(successor.ttl_ms),
+            HANDOFF_PATIENCE_MS,
         ]
     t_send = companion.loop.time()
     try:
@@ -488,12 +490,15 @@ async def _release(
             return _Outcome.RELEASED
     else:
         status, fence = (int(x) for x in reply)  # type: ignore[attr-defined]
+        room = companion.room
         if status == 1:
             successor.grant = (fence, t_offer)
             successor.event.set()
+            room.set_registered(options.channel, args[6] == "keep")
             return _Outcome.HANDED
         successor.offered = False  # a definitive answer: the key was not handed over
         if status == 2:
+            room.set_registered(options.channel, True)
             return _Outcome.CONTESTED
     return _Outcome.NOT_OURS if first and t_send < held.safe_until else None
 

@@ -6,8 +6,8 @@ they live in one Redis Cluster slot)::
     P{N}                 the lease; value "<token>:<fencing token>", PX = ttl
     P{N}:fence           the last fencing token minted; PX = a day or 10 x ttl
     P{N}:void:<token>    tombstone of an abandoned acquire attempt; PX = max(3 x ttl, 10 s)
-    P{N}:waiting         hash: origin id of a client with a waiter -> until when (server ms);
-                         written by failed attempts of blocking waits, read by HANDOFF
+    P{N}:waiting         hash: origin id of a client with waiters -> "<since>:<until>"
+                         (server ms); written by blocking waits, read by HANDOFF
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
 
 The value carries the fencing token so that an acquire retried after a lost reply can
@@ -145,11 +145,12 @@ ACQUIRE = Script(
     "acquire",
     """
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
--- KEYS[4] the lock's waiting hash
+-- KEYS[4] the lock's waiting hash (see HANDOFF)
 -- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms),
--- ARGV[4] origin id of a blocking wait ('' when not waiting), ARGV[5] how long (ms) a
--- failed attempt registers that origin as waiting, ARGV[6] '1' if this wait registered
--- before (then a success unregisters it)
+-- ARGV[4] origin id of a blocking wait ('' when not waiting): a failed attempt registers
+-- it as waiting (since when: kept from a live registration, else now), ARGV[5] for how
+-- long (ms), ARGV[6] what a success does to the registration: 'keep' (more waiters of
+-- ours are in line: they wait from now on), 'drop' (none: unregister) or '' (nothing)
 -- returns {1, fencing token} when held by this token (new, or a retry of ours),
 --         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
@@ -162,8 +163,16 @@ if current then
   end
   if ARGV[4] ~= '' then
     local t = redis.call('TIME')
-    local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ARGV[5]
-    redis.call('HSET', KEYS[4], ARGV[4], until_ms)
+    local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local since = now_ms
+    local entry = redis.call('HGET', KEYS[4], ARGV[4])
+    if entry then
+      local s, u = string.match(entry, '^(%d+):(%d+)$')
+      if s and tonumber(u) > now_ms then
+        since = tonumber(s)
+      end
+    end
+    redis.call('HSET', KEYS[4], ARGV[4], string.format('%d:%d', since, now_ms + ARGV[5]))
     redis.call('PEXPIRE', KEYS[4], ARGV[5])
   end
   return {0, redis.call('PTTL', KEYS[1])}
@@ -180,7 +189,11 @@ end
 local text = string.format('%d', fence)
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
-if ARGV[6] == '1' then
+if ARGV[6] == 'keep' then
+  local now_ms = math.floor(fence / 1000)
+  redis.call('HSET', KEYS[4], ARGV[4], string.format('%d:%d', now_ms, now_ms + ARGV[5]))
+  redis.call('PEXPIRE', KEYS[4], ARGV[5])
+elseif ARGV[6] == 'drop' then
   redis.call('HDEL', KEYS[4], ARGV[4])
 end
 return {1, fence}
@@ -220,15 +233,16 @@ HANDOFF = Script(
     "handoff",
     """
 -- The release of a lock that has a waiter in the releasing client's own line: the key
--- goes straight to that waiter's token (with a new fencing token), in the same round
--- trip, unless a waiter of another client is registered, in which case it is a plain
--- release and every client's waiters get their chance.
+-- goes straight to that waiter's token (with a new fencing token) in the same round
+-- trip, unless a waiter of another client has been registered for at least the
+-- patience (ms): then it is a plain release that lets every client's waiters compete
+-- (and the releasing client's own head stands back, see WaitingRoom.wake_with_others).
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
--- KEYS[4] the lock's waiting hash
+-- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time)
 -- ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms),
 -- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
--- ARGV[7] '1' if our line has more waiters behind the next holder (else our client's
--- registration as waiting is dropped)
+-- ARGV[7] 'keep' if our line still has waiters behind the next holder, else 'drop',
+-- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms)
 -- returns {1, fencing token} when the key now belongs to the next token (also when a
 --         retry finds it already did),
 --         {2, 0} when it was released as RELEASE does (key deleted, waiters notified),
@@ -243,18 +257,23 @@ if current ~= ARGV[1] then
 end
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local patience = tonumber(ARGV[9])
 local others = false
 local waiting = redis.call('HGETALL', KEYS[4])
 for i = 1, #waiting, 2 do
-  if tonumber(waiting[i + 1]) <= now_ms then
+  local s, u = string.match(waiting[i + 1], '^(%d+):(%d+)$')
+  if not s or tonumber(u) <= now_ms then
     redis.call('HDEL', KEYS[4], waiting[i])
-  elseif waiting[i] ~= ARGV[6] then
+  elseif waiting[i] ~= ARGV[6] and now_ms - tonumber(s) >= patience then
     others = true
   end
 end
 if others or redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[5], ARGV[6])
+  -- our next holder still waits, from now on
+  redis.call('HSET', KEYS[4], ARGV[6], string.format('%d:%d', now_ms, now_ms + ARGV[8]))
+  redis.call('PEXPIRE', KEYS[4], ARGV[8])
   return {2, 0}
 end
 local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -265,7 +284,10 @@ end
 local text = string.format('%d', fence)
 redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
 redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
-if ARGV[7] ~= '1' then
+if ARGV[7] == 'keep' then
+  redis.call('HSET', KEYS[4], ARGV[6], string.format('%d:%d', now_ms, now_ms + ARGV[8]))
+  redis.call('PEXPIRE', KEYS[4], ARGV[8])
+else
   redis.call('HDEL', KEYS[4], ARGV[6])
 end
 return {1, fence}

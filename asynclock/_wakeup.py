@@ -70,11 +70,14 @@ class WaitingRoom:
         self._healthy = False
         self._starting = asyncio.Lock()
         self._subscribed: set[str] = set()  # channels sent SUBSCRIBE and not UNSUBSCRIBE
-        self._deferred: set[str] = set()  # local wakes waiting for our own notification
+        # heads standing back for other clients' waiters: channel -> the timer's handle
+        self._deferred: dict[str, asyncio.TimerHandle] = {}
+        self._registered: set[str] = set()  # channels for which we may be registered waiting
+        self._background: set[asyncio.Task[bool]] = set()  # subscriptions made in passing
 
     @property
     def open(self) -> bool:
-        return self._reader is not None
+        return self._reader is not None or bool(self._background)
 
     # -- local lines -------------------------------------------------------------------
 
@@ -95,6 +98,16 @@ class WaitingRoom:
         """How many waiters are in ``channel``'s line."""
         line = self._lines.get(channel)
         return len(line) if line else 0
+
+    def registered(self, channel: str) -> bool:
+        """Whether this client may be registered in Redis as waiting for the lock."""
+        return channel in self._registered
+
+    def set_registered(self, channel: str, registered: bool) -> None:
+        if registered:
+            self._registered.add(channel)
+        else:
+            self._registered.discard(channel)
 
     def is_head(self, channel: str, waiter: Waiter) -> bool:
         line = self._lines.get(channel)
@@ -124,14 +137,28 @@ class WaitingRoom:
         lock. Our own head stands back for a moment instead of racing them (it would win
         every time, starting first), and is woken by the next release notification, or
         after ``_YIELD`` seconds should the others not take it (a waiter that went away
-        stays registered until its registration expires)."""
-        self._deferred.add(channel)
-        asyncio.get_running_loop().call_later(_YIELD, self._wake_deferred, channel)
+        stays registered until its registration expires). Without a confirmed
+        subscription no notification would come: then it is woken at once, and the
+        subscription is made in the background for the next time (a line that passes the
+        lock on by handoffs alone never had a failed attempt that subscribed)."""
+        if channel not in self._confirmed or not self._healthy:
+            self.wake(channel)
+            if not self._background:
+                task = asyncio.get_running_loop().create_task(
+                    self.subscribe(channel), name="asynclock-subscribe"
+                )
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            return
+        earlier = self._deferred.pop(channel, None)
+        if earlier is not None:
+            earlier.cancel()
+        loop = asyncio.get_running_loop()
+        self._deferred[channel] = loop.call_later(_YIELD, self._wake_deferred, channel)
 
     def _wake_deferred(self, channel: str) -> None:
-        if channel in self._deferred:
-            self._deferred.discard(channel)
-            self.wake(channel)
+        if self._deferred.pop(channel, None) is not None:
+            self.wake(channel)  # the others did not take it in time
 
     def _wake_all(self) -> None:
         for line in self._lines.values():
@@ -220,7 +247,9 @@ class WaitingRoom:
         channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
         if kind == b"message":
             if len(reply) < 3 or reply[2] != self._origin_bytes:  # our own: woken already
-                self._deferred.discard(channel)
+                timer = self._deferred.pop(channel, None)
+                if timer is not None:
+                    timer.cancel()
                 self.wake(channel)
         elif kind == b"subscribe":
             self._confirmed.add(channel)
@@ -232,6 +261,10 @@ class WaitingRoom:
 
     async def aclose(self) -> None:
         """Stop listening and close the subscription connection."""
+        for task in list(self._background):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         reader, self._reader = self._reader, None
         connection, self._connection = self._connection, None
         if reader is not None:
@@ -247,4 +280,8 @@ class WaitingRoom:
         self._pending.clear()
         self._confirmed.clear()
         self._subscribed.clear()
+        for timer in self._deferred.values():
+            timer.cancel()
+        self._deferred.clear()
+        self._registered.clear()
         self._healthy = False
