@@ -23,12 +23,14 @@ import random
 import secrets
 from typing import Final, NamedTuple
 
+from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
 
 from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
+from ._lane import Lane, exchange
 from ._options import LeaseOptions
-from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, exchange, run_idempotent
+from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
 from ._wakeup import Waiter
 
@@ -218,7 +220,7 @@ class Acquisition:
             on_success,
         ]
         before = cancelling()
-        client = self._companion.client
+        client: Redis | Lane = self._companion.lane
         may_have_landed = False
         while True:
             t_send = self._loop.time()
@@ -286,7 +288,7 @@ class Acquisition:
             options.channel,
             companion.room.origin,
         ]
-        undo = run_idempotent(ABANDON, companion.client, companion.overflow, keys, args)
+        undo = run_idempotent(ABANDON, companion.lane, companion.overflow, keys, args)
         try:
             await finish(undo, options.release_timeout)
         except asyncio.CancelledError:

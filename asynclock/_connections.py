@@ -27,6 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ._lane import Lane
 from ._scripts import encoding_of, pack
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
@@ -82,6 +83,8 @@ class Companion:
         self.loop = loop
         self.connection_class, self.settings = connection_settings(client)
         self.room = WaitingRoom(self.connection_class, self.settings)
+        self.lane = Lane(client, loop)
+        """The hot path for acquires and releases, on connections of the caller's pool."""
         self._renewer: Redis | None = None
         self._overflow: Redis | None = None
         self.watchdog = Watchdog(loop, self.renewer)

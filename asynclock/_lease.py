@@ -478,7 +478,7 @@ async def _release(
         ]
     t_send = companion.loop.time()
     try:
-        reply = await script(companion.client, keys, args)
+        reply = await script(companion.lane, keys, args)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
         reply = await script(companion.overflow(), keys, args)
     except UNKNOWN_OUTCOME as exc:

@@ -7,7 +7,7 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
@@ -25,6 +25,9 @@ def drift_for(ttl: float) -> float:
     covers timer granularity.
     """
     return ttl * 0.01 + 0.002
+
+
+_CLIENT_TYPES: set[type] = set()  # client classes already found to be redis.asyncio.Redis
 
 
 def _number(argument: str, value: object) -> float:
@@ -54,7 +57,11 @@ def _optional_timeout(argument: str, value: object) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class LeaseOptions:
-    """The validated settings of one :func:`asynclock.lease` call. Times in seconds."""
+    """The validated settings of one :func:`asynclock.lease` call. Times in seconds.
+
+    The names derived from ``prefix`` and ``name`` are computed once, here, since every
+    acquire and release sends several of them.
+    """
 
     name: str
     ttl: float
@@ -62,26 +69,25 @@ class LeaseOptions:
     blocking_timeout: float | None
     release_timeout: float
     prefix: str
+    key: str = field(init=False)
+    """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
+    fence_key: str = field(init=False)
+    """The key of the lock's fencing counter."""
+    channel: str = field(init=False)
+    """The pub/sub channel on which releases of the lock are announced."""
+    waiting_key: str = field(init=False)
+    """The hash in which blocking waits register their client (see ``HANDOFF``)."""
+    ttl_ms: int = field(init=False)
+    """The TTL in whole milliseconds (at least 1), as sent to Redis."""
 
-    @property
-    def key(self) -> str:
-        """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
-        return f"{self.prefix}{{{self.name}}}"
-
-    @property
-    def fence_key(self) -> str:
-        """The key of the lock's fencing counter."""
-        return self.key + ":fence"
-
-    @property
-    def channel(self) -> str:
-        """The pub/sub channel on which releases of the lock are announced."""
-        return self.key + ":released"
-
-    @property
-    def waiting_key(self) -> str:
-        """The hash in which blocking waits register their client (see ``HANDOFF``)."""
-        return self.key + ":waiting"
+    def __post_init__(self) -> None:
+        key = f"{self.prefix}{{{self.name}}}"
+        set_field = object.__setattr__  # (frozen)
+        set_field(self, "key", key)
+        set_field(self, "fence_key", key + ":fence")
+        set_field(self, "channel", key + ":released")
+        set_field(self, "waiting_key", key + ":waiting")
+        set_field(self, "ttl_ms", max(1, round(self.ttl * 1000)))
 
     def void_key(self, token: str) -> str:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""
@@ -91,10 +97,6 @@ class LeaseOptions:
         """The safe deadline of a lease whose last confirmed command was sent at loop time
         ``t_send``: ``t_send + ttl - drift`` (seconds)."""
         return t_send + self.ttl - drift_for(self.ttl)
-
-    @property
-    def ttl_ms(self) -> int:
-        return max(1, round(self.ttl * 1000))
 
     @classmethod
     def build(
@@ -109,11 +111,13 @@ class LeaseOptions:
         prefix: object,
     ) -> LeaseOptions:
         """Check every argument; raise ``TypeError``/``ValueError`` naming the first bad one."""
-        if not isinstance(redis, Redis):
-            raise TypeError(
-                "redis must be a redis.asyncio.Redis client (redis-py's asyncio API), "
-                f"not {type(redis).__module__}.{type(redis).__qualname__}"
-            )
+        if type(redis) not in _CLIENT_TYPES:  # (isinstance against Redis is slow)
+            if not isinstance(redis, Redis):
+                raise TypeError(
+                    "redis must be a redis.asyncio.Redis client (redis-py's asyncio API), "
+                    f"not {type(redis).__module__}.{type(redis).__qualname__}"
+                )
+            _CLIENT_TYPES.add(type(redis))
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, not {type(name).__name__}")
         if not name:

@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ._lane import Lane, exchange
 
 __all__ = [
     "ABANDON",
@@ -39,7 +41,6 @@ __all__ = [
     "Arg",
     "Script",
     "encoding_of",
-    "exchange",
     "pack",
     "run_idempotent",
 ]
@@ -67,34 +68,6 @@ def encoding_of(client: Redis) -> tuple[str, str]:
     return kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict")
 
 
-async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
-    """Write ``count`` packed commands at once on one of ``client``'s pooled connections
-    and read their replies; a per-command error reply (NOSCRIPT, READONLY, OOM, ...) is
-    returned in its place.
-
-    This skips redis-py's per-command layers (retries, observability, pipelines): on the
-    hot path they cost more than the round trip. On a connection error or cancellation
-    mid-way the connection's state is unknown, so it is closed before it goes back to the
-    pool. Raises ``MaxConnectionsError`` (nothing sent) when the pool is exhausted.
-    """
-    pool = client.connection_pool
-    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-    try:
-        await connection.send_packed_command(packed)
-        replies: list[object] = []
-        for _ in range(count):
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as error:
-                replies.append(error)
-        return replies
-    except BaseException:
-        await connection.disconnect()
-        raise
-    finally:
-        await pool.release(connection)
-
-
 class Script:
     """A Lua script run by SHA1 with a transparent fallback to its source on NOSCRIPT."""
 
@@ -105,26 +78,37 @@ class Script:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
-    async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Arg]) -> object:
-        """Run the script on ``client`` (one round trip, two after a NOSCRIPT).
+    async def __call__(
+        self, target: Redis | Lane, keys: Sequence[str], args: Sequence[Arg]
+    ) -> object:
+        """Run the script on a client or a client's lane (one round trip, two after a
+        NOSCRIPT).
 
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
         """
-        encoding = encoding_of(client)
+        encoding = encoding_of(target.client if isinstance(target, Lane) else target)
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        (reply,) = await exchange(client, pack(command, *encoding), 1)
+        reply = await _send(target, pack(command, *encoding))
         if isinstance(reply, NoScriptError):
             command = ("EVAL", self.source, len(keys), *keys, *args)
-            (reply,) = await exchange(client, pack(command, *encoding), 1)
+            reply = await _send(target, pack(command, *encoding))
         if isinstance(reply, BaseException):
             raise reply
         return reply
 
 
+async def _send(target: Redis | Lane, packed: bytes) -> object:
+    # (isinstance against Redis is slow: redis-py's client classes derive from a Protocol)
+    if isinstance(target, Lane):
+        return await target.call(packed)
+    (reply,) = await exchange(target, packed, 1)
+    return reply
+
+
 async def run_idempotent(
     script: Script,
-    client: Redis,
+    client: Redis | Lane,
     fallback: Callable[[], Redis],
     keys: Sequence[str],
     args: Sequence[Arg],

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from ._scripts import RENEW, exchange
+from ._lane import exchange
+from ._scripts import RENEW
 
 if TYPE_CHECKING:
     from ._lease import Lease

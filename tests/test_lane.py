@@ -1,0 +1,109 @@
+"""The lane: connections borrowed from the caller's pool for acquires and releases."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from helpers import wait_until
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock._connections import companion_for
+from asynclock._lane import _LINGER
+from asynclock.testing import RedisServer
+
+
+def _in_use(client: Redis) -> list[Any]:
+    return list(client.connection_pool._get_in_use_connections())
+
+
+async def test_lane_connections_go_back_to_the_pool_with_their_timeout(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """After a lease the lane keeps a connection for the next one, with its socket timeout
+    set aside; once unused for a while it gives it back, timeout restored."""
+    client = make_client(socket_timeout=7.0)
+    async with asynclock.lease(client, "lane", ttl=5, prefix=prefix):
+        pass
+    held = _in_use(client)
+    assert len(held) == 1
+    assert held[0].socket_timeout is None
+    started = asyncio.get_running_loop().time()
+    await wait_until(lambda: _none_in_use(client), limit=_LINGER * 5, what="the give-back")
+    assert asyncio.get_running_loop().time() - started >= _LINGER * 0.5
+    free = list(client.connection_pool._get_free_connections())
+    assert free
+    assert all(c.socket_timeout == 7.0 for c in free)
+
+
+async def _none_in_use(client: Redis) -> bool:
+    return not _in_use(client)
+
+
+async def test_lane_takes_at_most_an_eighth_of_a_small_pool(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """With a pool of 16, a burst of leases leaves the lane holding at most 2 connections:
+    the application keeps the rest of its pool."""
+    client = make_client(max_connections=16)
+    entered = 0
+    all_in = asyncio.Event()
+
+    async def one(i: int) -> None:
+        nonlocal entered
+        async with asynclock.lease(client, f"small{i}", ttl=5, prefix=prefix, blocking=False):
+            entered += 1
+            if entered == 50:
+                all_in.set()
+            await all_in.wait()
+
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(one(i) for i in range(50)))
+    assert len(_in_use(client)) <= 2
+    assert await client.ping()  # the application still gets a connection
+
+
+async def test_idle_lane_connection_killed_by_the_server_is_replaced(
+    private_server: RedisServer, prefix: str
+):
+    """CLIENT KILL of every client connection between two leases: the next acquire and
+    release still succeed (a dead lane connection is replaced, at most one retry)."""
+    client = Redis.from_url(private_server.url)
+    observer = Redis.from_url(private_server.url)
+    try:
+        async with asynclock.lease(client, "killed", ttl=5, prefix=prefix):
+            pass
+        assert _in_use(client)
+        await observer.client_setname("observer")
+        for entry in await observer.client_list():
+            if entry.get("name") != "observer":
+                await observer.client_kill_filter(_id=entry["id"])
+        for _ in range(3):
+            async with asynclock.lease(
+                client, "killed", ttl=5, prefix=prefix, blocking_timeout=5
+            ) as lock:
+                assert await lock.is_held(verify=True)
+            assert lock.state is asynclock.LeaseState.RELEASED
+        assert await observer.exists(prefix + "{killed}") == 0
+    finally:
+        await client.aclose()
+        await observer.aclose()
+
+
+async def test_closing_the_client_closes_the_lane(private_server: RedisServer, prefix: str):
+    """The lane's connections belong to the caller's pool: closing the client closes them
+    (the suite turns an unclosed-connection ResourceWarning into an error)."""
+    client = Redis.from_url(private_server.url)
+    observer = Redis.from_url(private_server.url)
+    try:
+        async with asynclock.lease(client, "closing", ttl=5, prefix=prefix):
+            pass
+        held = _in_use(client)
+        assert held
+        assert all(c.is_connected for c in held)
+        await client.aclose()
+        assert not any(c.is_connected for c in held)
+        assert companion_for(client).lane is not None
+    finally:
+        await observer.aclose()
