@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-__all__ = ["Hold", "contention_metrics", "jain", "median", "percentile"]
+__all__ = ["Hold", "contention_metrics", "jain", "median", "percentile", "process_handoff_metrics"]
 
 
 class Hold(NamedTuple):
@@ -77,4 +77,37 @@ def contention_metrics(
         "latency_p50_us": percentile(latencies, 0.50),
         "latency_p99_us": percentile(latencies, 0.99),
         "overlaps": float(overlaps),
+    }
+
+
+def process_handoff_metrics(
+    holds: Iterable[Hold], start: float, end: float, process_of: Mapping[int, int]
+) -> dict[str, float]:
+    """The handoffs of ``contention_metrics``, told apart by the process of each holder.
+
+    ``process_of`` maps a contender to its process. Latencies as in ``contention_metrics``
+    (microseconds, NaN when there is no such handoff):
+
+    - ``cross_process``: share of handoffs whose previous and next holder are in different
+      processes.
+    - ``cross_p50_us`` / ``cross_p99_us``: release → next holder over those handoffs only.
+    - ``local_p50_us``: the same over the handoffs within one process.
+    """
+    turns = sorted(h for h in holds if start <= h.t_in <= end)
+    cross: list[float] = []
+    local: list[float] = []
+    for prev, nxt in itertools.pairwise(turns):
+        if nxt.contender == prev.contender:
+            continue
+        latency = (nxt.t_in - prev.t_release) * 1e6
+        if process_of[prev.contender] != process_of[nxt.contender]:
+            cross.append(latency)
+        else:
+            local.append(latency)
+    handoffs = len(cross) + len(local)
+    return {
+        "cross_process": len(cross) / handoffs if handoffs else math.nan,
+        "cross_p50_us": percentile(cross, 0.50),
+        "cross_p99_us": percentile(cross, 0.99),
+        "local_p50_us": percentile(local, 0.50),
     }

@@ -2,13 +2,13 @@
 
 From the log of turns (entry and release-call stamps, ``time.monotonic()``, which is
 system-wide on Linux) come handoffs per second, the release-to-next-holder latency and the
-fairness figures; see ``stats.contention_metrics``.
+fairness figures; see ``stats.contention_metrics``. Across processes, the handoffs are also
+told apart by whether the next holder is in another process (``stats.process_handoff_metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import sys
 import time
@@ -17,7 +17,7 @@ from typing import Any
 from ..child import Child
 from ..drive import GRACE, contend_async, contend_threads
 from ..peers import AsyncPeer, AsyncSession, Peer, SyncSession, ThreadPeer, get_peer
-from ..stats import Hold, contention_metrics
+from ..stats import Hold, contention_metrics, process_handoff_metrics
 from .common import Context, Measurement, in_session
 
 __all__ = ["child_contend", "handoff_one_process", "handoff_processes"]
@@ -83,10 +83,7 @@ async def _handoff_processes(peer: Peer, ctx: Context) -> Measurement:
         for child in children:
             await child.close()
     metrics = contention_metrics(holds, start, end, p.contenders)
-    turns_in = sorted(h for h in holds if start <= h.t_in <= end)
-    handoffs = [(a, b) for a, b in itertools.pairwise(turns_in) if a.contender != b.contender]
-    crossing = sum(1 for a, b in handoffs if process_of[a.contender] != process_of[b.contender])
-    metrics["cross_process"] = crossing / len(handoffs) if handoffs else float("nan")
+    metrics.update(process_handoff_metrics(holds, start, end, process_of))
     return Measurement(metrics)
 
 
