@@ -51,33 +51,37 @@ class Lane:
         limit = getattr(client.connection_pool, "max_connections", None) or _SIZE * 8
         self._size = max(1, min(_SIZE, int(limit) // 8))  # leave the application its pool
 
-    async def call(self, packed: bytes) -> object:
+    async def call(self, packed: bytes, limit: float | None = None) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
-        raised, as by ``_scripts.exchange``.
+        raised, as by :func:`exchange`.
 
-        Raises ``MaxConnectionsError`` (nothing sent) when the caller's pool is exhausted,
-        ``TimeoutError`` past the connection's socket timeout, and the connection error or
-        cancellation that interrupted the exchange (the outcome is then unknown).
+        The exchange is bounded by the connection's socket timeout and by ``limit``
+        (seconds) if given; past it ``TimeoutError`` is raised. Raises
+        ``MaxConnectionsError`` (nothing sent) when the caller's pool is exhausted, and
+        the connection error or cancellation that interrupted the exchange (the outcome
+        is then unknown).
         """
         self._used = self._loop.time()
         if self._idle:
-            connection, timeout = self._idle.pop()
+            connection, saved = self._idle.pop()
         elif self._held < self._size:
-            connection, timeout = await self._borrow()
-        else:
-            (reply,) = await exchange(self.client, packed, 1)
+            connection, saved = await self._borrow()
+        else:  # every lane connection is busy: the ordinary way, bounded by limit
+            async with asyncio.timeout(limit):
+                (reply,) = await exchange(self.client, packed, 1)
             return reply
+        bound = saved if limit is None or (saved is not None and saved < limit) else limit
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(bound):
                 await connection.send_packed_command(packed, check_health=False)
                 try:
                     reply = await connection.read_response()
                 except ResponseError as error:
                     reply = error
         except BaseException:
-            await self._give_back(connection, timeout)
+            await self._give_back(connection, saved)
             raise
-        self._idle.append((connection, timeout))
+        self._idle.append((connection, saved))
         return reply
 
     async def _borrow(self) -> tuple[Any, float | None]:

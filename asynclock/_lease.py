@@ -358,12 +358,24 @@ class LeaseContext:
         held, scope = self._lease, self._scope
         if held is None or scope is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
-        swallowed = bool(scope.__exit__(exc_type, exc, tb))
-        held._scope = None
+        held._scope = None  # from here on a loss can no longer cancel the block
+        # Usually the release runs inside the block's own scope, made a shield (it is the
+        # innermost scope now): cheaper than a scope of its own. A scope that cancelled
+        # the block (the lease was lost) is left first, since it would cancel the release.
+        inside = not scope.cancel_called
+        if inside:
+            scope.shield = True
+            swallowed = False
+        else:
+            swallowed = bool(scope.__exit__(exc_type, exc, tb))
         body_error = None if swallowed else exc
         contested = False
         try:
-            contested = await self._give_back(held)
+            try:
+                contested = await self._give_back(held, shielded=inside)
+            finally:
+                if inside:
+                    scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
         finally:
             held._end()
             if contested:
@@ -383,7 +395,7 @@ class LeaseContext:
             )
         return None
 
-    async def _give_back(self, held: Lease) -> bool:
+    async def _give_back(self, held: Lease, *, shielded: bool) -> bool:
         """Stop renewing and release the key (shielded, within release_timeout), or hand
         it to the next waiter of this client's line. Returns True when the release let
         waiters of other clients compete (see ``WaitingRoom.wake_with_others``).
@@ -403,14 +415,18 @@ class LeaseContext:
         t_offer = held._loop.time()
         if successor is not None:
             successor.offered = True  # from now on the key may hold its token
+        limit = self._options.release_timeout
+        deadline = t_offer + limit
 
         def release() -> Coroutine[Any, Any, _Outcome | None]:
             nonlocal runs
             runs += 1  # a second run (after a native cancellation) is not definitive
-            return _release(held, first=runs == 1, successor=successor, t_offer=t_offer)
+            return _release(
+                held, first=runs == 1, successor=successor, t_offer=t_offer, deadline=deadline
+            )
 
         try:
-            released = await finish_idempotent(release, self._options.release_timeout)
+            released = await finish_idempotent(release, limit, shield=not shielded)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -439,7 +455,7 @@ class _Outcome(enum.Enum):
 
 
 async def _release(
-    held: Lease, *, first: bool, successor: Waiter | None = None, t_offer: float = 0.0
+    held: Lease, *, first: bool, successor: Waiter | None, t_offer: float, deadline: float
 ) -> _Outcome | None:
     """Release ``held``. Returns NOT_OURS if Redis answered that the key was not ours
     while we still believed we held it (the work may have overlapped another holder); None
@@ -449,6 +465,7 @@ async def _release(
     With a ``successor`` (the head of this client's line for the lock) the HANDOFF script
     gives it the key in the same round trip unless a waiter of another client is
     registered; the successor's lease counts from ``t_offer``, taken before the first send.
+    Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``.
     """
     companion = held._companion
     options = held._options
@@ -478,13 +495,15 @@ async def _release(
         ]
     t_send = companion.loop.time()
     try:
-        reply = await script(companion.lane, keys, args)
+        reply = await script(companion.lane, keys, args, deadline - t_send)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
-        reply = await script(companion.overflow(), keys, args)
+        async with asyncio.timeout_at(deadline):
+            reply = await script(companion.overflow(), keys, args)
     except UNKNOWN_OUTCOME as exc:
         log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
         first = False
-        reply = await script(companion.overflow(), keys, args)
+        async with asyncio.timeout_at(deadline):
+            reply = await script(companion.overflow(), keys, args)
     if successor is None:
         if reply == 1:
             return _Outcome.RELEASED

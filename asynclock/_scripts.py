@@ -79,29 +79,33 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     async def __call__(
-        self, target: Redis | Lane, keys: Sequence[str], args: Sequence[Arg]
+        self,
+        target: Redis | Lane,
+        keys: Sequence[str],
+        args: Sequence[Arg],
+        limit: float | None = None,
     ) -> object:
         """Run the script on a client or a client's lane (one round trip, two after a
-        NOSCRIPT).
+        NOSCRIPT). On a lane, ``limit`` (seconds) bounds each exchange further.
 
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
         """
         encoding = encoding_of(target.client if isinstance(target, Lane) else target)
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        reply = await _send(target, pack(command, *encoding))
+        reply = await _send(target, pack(command, *encoding), limit)
         if isinstance(reply, NoScriptError):
             command = ("EVAL", self.source, len(keys), *keys, *args)
-            reply = await _send(target, pack(command, *encoding))
+            reply = await _send(target, pack(command, *encoding), limit)
         if isinstance(reply, BaseException):
             raise reply
         return reply
 
 
-async def _send(target: Redis | Lane, packed: bytes) -> object:
+async def _send(target: Redis | Lane, packed: bytes, limit: float | None) -> object:
     # (isinstance against Redis is slow: redis-py's client classes derive from a Protocol)
     if isinstance(target, Lane):
-        return await target.call(packed)
+        return await target.call(packed, limit)
     (reply,) = await exchange(target, packed, 1)
     return reply
 

@@ -74,21 +74,28 @@ async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:
     return task.result()
 
 
-async def finish_idempotent(operation: Callable[[], Coroutine[Any, Any, T]], limit: float) -> T:
+async def finish_idempotent(
+    operation: Callable[[], Coroutine[Any, Any, T]], limit: float, *, shield: bool = True
+) -> T:
     """:func:`finish` for an operation that is safe to repeat, without a task of its own.
 
-    The operation runs in the caller's task under a shielded scope (anyio cancellations
-    wait). A native cancellation can still interrupt it, leaving its outcome unknown; it
-    is then run again to completion by :func:`finish` before the cancellation is
-    re-raised. Saves a task and two loop iterations on the hot path (the release).
+    The operation runs in the caller's task, under a shielded scope (anyio cancellations
+    wait) unless ``shield`` is False because the caller already runs in one. The
+    operation must bound its own run to ``limit`` seconds (a timeout of its own costs
+    less than one around it). A native cancellation can still interrupt it, leaving its
+    outcome unknown; it is then run again to completion by :func:`finish`, within what is
+    left of ``limit``, before the cancellation is re-raised. Saves a task and two loop
+    iterations on the hot path (the release).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
     before = cancelling()
     try:
-        with anyio.CancelScope(shield=True):
-            async with asyncio.timeout(limit):
+        if shield:
+            with anyio.CancelScope(shield=True):
                 result = await operation()
+        else:
+            result = await operation()
     except asyncio.CancelledError:
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await finish(operation(), max(deadline - loop.time(), 0.001))

@@ -270,6 +270,38 @@ async def test_release_survives_cancellation_in_flight(private_server: RedisServ
             await observer.aclose()
 
 
+async def test_release_is_shielded_from_an_outer_anyio_cancel_scope(
+    private_server: RedisServer, prefix: str
+):
+    """9: an enclosing anyio scope cancelled while the release is in flight waits for the
+    release (anyio shielding), then its cancellation takes effect as usual."""
+    from asynclock.testing import ProxyMode
+
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        exited_in_full = False
+        started = 0.0
+        try:
+            with anyio.CancelScope() as outer:
+                async with asynclock.lease(client, "outer", ttl=30, prefix=prefix) as lock:
+                    proxy.set_mode(ProxyMode.DELAY, delay=0.2)
+                    # cancelled from a timer while the release waits on the delayed reply
+                    asyncio.get_running_loop().call_later(0.1, outer.cancel)
+                exited_in_full = True  # the release was not interrupted by the cancellation
+                started = time.monotonic()
+                await anyio.sleep(5)  # the outer cancellation lands here, after the release
+            assert outer.cancelled_caught
+            assert exited_in_full
+            assert time.monotonic() - started < 1.0
+            assert lock.state is LeaseState.RELEASED
+            assert await observer.exists(lock.key) == 0
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await client.aclose()
+            await observer.aclose()
+
+
 async def test_cancelled_body_releases(client: Redis, prefix: str):
     """9: a task cancelled inside the body gives the lock back on the way out."""
     entered = asyncio.Event()
