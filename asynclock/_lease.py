@@ -8,8 +8,10 @@ become ``LOST``). When the lease is lost the scope is cancelled, which cancels t
 and every task it started in task groups under it; ``__aexit__`` then raises ``LockLost``
 unless the body raised an exception of its own, which propagates with a note.
 
-The release on exit runs shielded from cancellation and bounded by ``release_timeout``
-(see ``_shield.finish``); acquiring is in ``_acquire``.
+The release on exit runs shielded from cancellation (inside the block's own scope, made a
+shield, unless that scope cancelled the block) and bounded by ``release_timeout`` (see
+``_shield.finish_idempotent``). With a waiter in this client's line it is a handoff to that
+waiter (see ``_wakeup``); acquiring is in ``_acquire``.
 """
 
 from __future__ import annotations
@@ -88,7 +90,6 @@ class Lease:
         "_state",
         "_value",
         "fencing_token",
-        "token",
     )
 
     def __init__(
@@ -104,11 +105,9 @@ class Lease:
         self._companion = companion
         self._loop = companion.loop
         self._hook = hook
-        self.token: Final = token
-        """The random token (128 bits, hex) identifying this lease in Redis."""
         self.fencing_token: Final = fencing_token
         """Strictly greater than every fencing token issued before for this name."""
-        self._value = f"{token}:{fencing_token}"
+        self._value = f"{token}:{fencing_token}"  # (the token is kept only in here)
         self._last_send = t_send
         self._safe_until = options.safe_until(t_send)
         self._state = LeaseState.HELD
@@ -121,6 +120,11 @@ class Lease:
         self._closing = False
 
     # -- what the holder sees -----------------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        """The random token (128 bits, hex) identifying this lease in Redis."""
+        return self._value.partition(":")[0]
 
     @property
     def name(self) -> str:

@@ -7,7 +7,7 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
@@ -59,8 +59,8 @@ def _optional_timeout(argument: str, value: object) -> float | None:
 class LeaseOptions:
     """The validated settings of one :func:`asynclock.lease` call. Times in seconds.
 
-    The names derived from ``prefix`` and ``name`` are computed once, here, since every
-    acquire and release sends several of them.
+    The names derived from ``prefix`` and ``name`` are computed when asked for rather
+    than kept: a process may hold ten thousand leases, each with its options.
     """
 
     name: str
@@ -69,25 +69,31 @@ class LeaseOptions:
     blocking_timeout: float | None
     release_timeout: float
     prefix: str
-    key: str = field(init=False)
-    """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
-    fence_key: str = field(init=False)
-    """The key of the lock's fencing counter."""
-    channel: str = field(init=False)
-    """The pub/sub channel on which releases of the lock are announced."""
-    waiting_key: str = field(init=False)
-    """The hash in which blocking waits register their client (see ``HANDOFF``)."""
-    ttl_ms: int = field(init=False)
-    """The TTL in whole milliseconds (at least 1), as sent to Redis."""
 
-    def __post_init__(self) -> None:
-        key = f"{self.prefix}{{{self.name}}}"
-        set_field = object.__setattr__  # (frozen)
-        set_field(self, "key", key)
-        set_field(self, "fence_key", key + ":fence")
-        set_field(self, "channel", key + ":released")
-        set_field(self, "waiting_key", key + ":waiting")
-        set_field(self, "ttl_ms", max(1, round(self.ttl * 1000)))
+    @property
+    def key(self) -> str:
+        """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
+        return f"{self.prefix}{{{self.name}}}"
+
+    @property
+    def fence_key(self) -> str:
+        """The key of the lock's fencing counter."""
+        return self.key + ":fence"
+
+    @property
+    def channel(self) -> str:
+        """The pub/sub channel on which releases of the lock are announced."""
+        return self.key + ":released"
+
+    @property
+    def waiting_key(self) -> str:
+        """The hash in which blocking waits register their client (see ``HANDOFF``)."""
+        return self.key + ":waiting"
+
+    @property
+    def ttl_ms(self) -> int:
+        """The TTL in whole milliseconds (at least 1), as sent to Redis."""
+        return max(1, round(self.ttl * 1000))
 
     def void_key(self, token: str) -> str:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""

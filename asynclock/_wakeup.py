@@ -6,6 +6,13 @@ arrival order. A release by this process wakes its local head directly. Other pr
 learn of a release from the lock's pub/sub channel, on which the release script publishes;
 one subscription connection per client serves every lock waited on.
 
+A release with a waiter in the releasing client's own line hands the key straight to that
+waiter (the ``HANDOFF`` script; see ``Waiter``). To keep other clients from being starved
+by such local handoffs, blocking waits register their client in Redis (a hash of origin ->
+since/until, written by failed attempts); once another client's waiter has been registered
+for a few milliseconds, the release is a plain one and the releasing client's head stands
+back (``wake_with_others``) until the other client's release notification, or ``_YIELD``.
+
 A waiter subscribes before the attempt that precedes its wait, so no release can slip
 between a failed attempt and the subscription. Notifications are only a hint: the head
 also wakes when the holder's key would expire (its PTTL plus jitter), so an expired or
