@@ -5,7 +5,7 @@ path redis-py's per-command machinery costs a good part of a round trip: with a 
 timeout set (5 s by default) every write runs under ``asyncio.wait_for``, which makes a
 task and costs extra event-loop iterations, and every read under a timeout of its own.
 
-A :class:`Lane` keeps a few connections (at most an eighth of the pool's capacity, and
+A :class:`Lane` keeps a few connections (at most a quarter of the pool's capacity, and
 16) checked out of the caller's own pool while
 leases come and go, with their socket timeout set aside, and bounds each exchange (write
 and read together) by one ``asyncio.timeout`` of the connection's own socket timeout. The
@@ -31,7 +31,7 @@ from redis.exceptions import ResponseError
 
 __all__ = ["Lane", "exchange"]
 
-_SIZE: Final = 16  # connections the lane may hold at once, and at most 1/8 of the pool's
+_SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
 _LINGER: Final = 1.0  # seconds unused after which the lane gives its connections back
 
 
@@ -49,7 +49,7 @@ class Lane:
         self._timer: asyncio.TimerHandle | None = None
         self._returning: asyncio.Task[None] | None = None
         limit = getattr(client.connection_pool, "max_connections", None) or _SIZE * 8
-        self._size = max(1, min(_SIZE, int(limit) // 8))  # leave the application its pool
+        self._size = max(1, min(_SIZE, int(limit) // 4))  # leave the application its pool
 
     async def call(self, packed: bytes, limit: float | None = None) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
