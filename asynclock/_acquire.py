@@ -9,10 +9,12 @@ propagates: the ABANDON script deletes the key if that attempt set it and leaves
 tombstone for its token, which the ACQUIRE script honours, so the cleanup is safe even
 if it overtakes the attempt on the way to Redis.
 
-Blocking waits queue in the client's ``WaitingRoom`` (see ``_wakeup``): the head of the
-line tries, subscribes to the release channel after a failed first try and tries again
-(so no release slips between the two), then sleeps until woken by a release or until
-the holder's key would expire (PTTL plus jitter).
+A blocking acquire first tries at once when nobody of its client waits for the lock (no
+line bookkeeping on the uncontended path); otherwise, or after that try failed, it queues
+in the client's ``WaitingRoom`` (see ``_wakeup``): the head of the line tries, subscribes
+to the release channel after a failed first try and tries again (so no release slips
+between the two), then sleeps until woken by a release, handed the lock by a releaser of
+its own client, or until the holder's key would expire (PTTL plus jitter).
 """
 
 from __future__ import annotations
@@ -112,6 +114,19 @@ class Acquisition:
         channel = options.channel
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
+        failed_first: int | None = None  # the holder's pttl, after a failed first attempt
+        if not room.waiting(channel):
+            # Nobody of this client waits for the lock: try at once, without a place in
+            # the line (the uncontended case costs no line bookkeeping).
+            while True:
+                status, value, t_send = await self._attempt(waiting=True, in_line=False)
+                if status != 1:
+                    failed_first = value
+                    break
+                if self._usable(t_send):
+                    return Grant(self._token, value, t_send)
+                if deadline is not None and self._loop.time() >= deadline:
+                    raise AcquireTimeout(options.name, timeout or 0.0, "Redis is slow")
         waiter = self._waiter = room.join(channel, Waiter(self._token, options.ttl_ms))
         granted: Grant | None = None
         try:
@@ -127,9 +142,13 @@ class Acquisition:
                         return granted
                     waiter.event.set()  # too late to use: refresh it with an attempt
                 head = room.is_head(channel, waiter)
-                if head and (waiter.event.is_set() or fallback == 0):
+                if head and (waiter.event.is_set() or fallback == 0 or failed_first is not None):
                     waiter.event.clear()
-                    status, value, t_send = await self._attempt(waiting=True)
+                    if failed_first is not None:  # just tried, before joining the line
+                        status, value, t_send = 0, failed_first, 0.0
+                        failed_first = None
+                    else:
+                        status, value, t_send = await self._attempt(waiting=True)
                     if status == 1:
                         if self._usable(t_send):
                             waiter.offered = False
@@ -146,7 +165,7 @@ class Acquisition:
                             continue
                     fallback = self._fallback(value)
                 elif not head:
-                    fallback = None
+                    fallback = failed_first = None
                 wait = fallback
                 if deadline is not None:
                     left = deadline - self._loop.time()
@@ -191,8 +210,11 @@ class Acquisition:
         )
         return False
 
-    async def _attempt(self, *, waiting: bool = False) -> tuple[int, int, float]:
+    async def _attempt(
+        self, *, waiting: bool = False, in_line: bool = True
+    ) -> tuple[int, int, float]:
         """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
+        ``waiting``: part of a blocking wait (``in_line``: from a place in the line).
 
         A connection error or timeout leaves the outcome unknown, so the same script is
         sent once more with the same token: if the first landed, the retry finds our own
@@ -207,7 +229,7 @@ class Acquisition:
         channel = options.channel
         on_success = ""
         if waiting:
-            if room.waiting(channel) > 1:
+            if room.waiting(channel) > (1 if in_line else 0):  # others of ours wait too
                 on_success = "keep"
             elif room.registered(channel):
                 on_success = "drop"

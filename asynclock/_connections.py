@@ -21,6 +21,7 @@ import logging
 import weakref
 from typing import Any
 
+import anyio
 from redis.asyncio import Redis
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
@@ -90,6 +91,9 @@ class Companion:
         self.watchdog = Watchdog(loop, self.renewer)
         self._users = 0
         self._eviction_check: asyncio.Task[None] | None = None
+        # anyio's CancelScope() looks up the running event loop's backend every time; the
+        # class it returns for this loop makes scopes directly.
+        self.cancel_scope: type[anyio.CancelScope] = type(anyio.CancelScope())
 
     def retain(self) -> None:
         """Count one more lease or waiter using this companion."""

@@ -347,7 +347,7 @@ class LeaseContext:
             self._options, companion, grant.token, grant.fencing_token, grant.t_send, self._hook
         )
         self._lease = held
-        self._scope = anyio.CancelScope()
+        self._scope = companion.cancel_scope()
         self._scope.__enter__()
         held._start(self._scope)
         held._event(LeaseEventKind.ACQUIRED)
@@ -579,7 +579,7 @@ def lease(
 
     ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
     """
-    options = LeaseOptions.build(
+    options = LeaseOptions.cached(
         redis,
         name,
         ttl=ttl,

@@ -28,6 +28,8 @@ def drift_for(ttl: float) -> float:
 
 
 _CLIENT_TYPES: set[type] = set()  # client classes already found to be redis.asyncio.Redis
+_BUILT: dict[tuple[object, ...], LeaseOptions] = {}  # see LeaseOptions.cached
+_BUILT_MAX = 1024
 
 
 def _number(argument: str, value: object) -> float:
@@ -103,6 +105,45 @@ class LeaseOptions:
         """The safe deadline of a lease whose last confirmed command was sent at loop time
         ``t_send``: ``t_send + ttl - drift`` (seconds)."""
         return t_send + self.ttl - drift_for(self.ttl)
+
+    @classmethod
+    def cached(
+        cls,
+        redis: object,
+        name: object,
+        *,
+        ttl: object,
+        blocking: object,
+        blocking_timeout: object,
+        release_timeout: object,
+        prefix: object,
+    ) -> LeaseOptions:
+        """:meth:`build`, or the options already built from the same arguments: code that
+        takes the same lock again and again validates its arguments once. The arguments'
+        types are part of the key (``ttl=True`` must not pass for ``ttl=1``)."""
+        if type(redis) in _CLIENT_TYPES:
+            arguments = (name, ttl, blocking, blocking_timeout, release_timeout, prefix)
+            key = (*arguments, *map(type, arguments))
+            try:
+                return _BUILT[key]
+            except (KeyError, TypeError):  # (TypeError: an unhashable argument)
+                pass
+        else:
+            key = None
+        options = cls.build(
+            redis,
+            name,
+            ttl=ttl,
+            blocking=blocking,
+            blocking_timeout=blocking_timeout,
+            release_timeout=release_timeout,
+            prefix=prefix,
+        )
+        if key is not None:
+            if len(_BUILT) >= _BUILT_MAX:
+                _BUILT.clear()
+            _BUILT[key] = options
+        return options
 
     @classmethod
     def build(

@@ -95,6 +95,28 @@ async def test_bad_input_raises_before_io(
         asynclock.lease(unreachable, name, **arguments)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "argument"), BAD_INPUTS, ids=[repr(b[0]) for b in BAD_INPUTS]
+)
+async def test_bad_input_is_refused_after_equal_good_input(
+    unreachable: Redis, kwargs: dict[str, Any], error: type[Exception], argument: str
+) -> None:
+    """Validated options are reused for equal arguments; a bad argument that compares
+    equal to a good one (``ttl=True`` and ``ttl=1``, ``blocking=1`` and ``True``) is still
+    refused."""
+    good: dict[str, Any] = {"ttl": 1, "blocking": True, "blocking_timeout": 1, "prefix": "p:"}
+    asynclock.lease(unreachable, "job", **good)
+    arguments = {**good, **kwargs}
+    if arguments.get("blocking") is False:
+        arguments.pop("blocking_timeout")
+        arguments.update(kwargs)
+    name = arguments.pop("name", "job")
+    with pytest.raises(error, match=argument):
+        asynclock.lease(unreachable, name, **arguments)
+    with pytest.raises(TypeError, match="blocking"):
+        asynclock.lease(unreachable, "job", **{**good, "blocking": 1})
+
+
 @pytest.mark.parametrize("client", [None, "redis://x", object()])
 def test_non_client_is_a_type_error(client: object) -> None:
     """Only a redis-py asyncio client is accepted."""
