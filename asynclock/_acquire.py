@@ -222,7 +222,7 @@ class Acquisition:
         caller is cancelled, the attempt is abandoned (see ``_abandon``) before raising.
         """
         options = self._options
-        keys = [options.key, options.fence_key, options.void_key(self._token), options.waiting_key]
+        keys = options.acquire_keys(self._token)
         # A blocking wait registers this client as waiting (see HANDOFF), so releasers
         # in other clients let it have the lock after at most HANDOFF_PATIENCE_MS.
         room = self._companion.room

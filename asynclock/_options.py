@@ -97,6 +97,12 @@ class LeaseOptions:
         """The TTL in whole milliseconds (at least 1), as sent to Redis."""
         return max(1, round(self.ttl * 1000))
 
+    def acquire_keys(self, token: str) -> list[str]:
+        """The ACQUIRE script's keys for an attempt made with ``token``: the lease, the
+        fence counter, the attempt's tombstone and the waiting hash (one format of the key)."""
+        key = self.key
+        return [key, key + ":fence", f"{key}:void:{token}", key + ":waiting"]
+
     def void_key(self, token: str) -> str:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""
         return f"{self.key}:void:{token}"
