@@ -8,6 +8,7 @@ the overlap classification excuses exactly what it should.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -22,14 +23,17 @@ import pytest
 from asynclock.chaos import FaultKind, make_schedule
 from asynclock.chaos.__main__ import main
 from asynclock.chaos._nemesis import Fault, Injection
+from asynclock.chaos._run import ChaosConfig
 from asynclock.chaos._summary import (
     DataLoss,
     RoundReport,
     RunRecord,
     classify_overlaps,
+    local_handoffs,
     percentile,
     summarize,
 )
+from asynclock.chaos._worker import holder_name
 from asynclock.testing import Interval, Pause, available_engines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +97,14 @@ def test_print_schedule_replays(capsys: pytest.CaptureFixture[str]):
 
 @pytest.mark.parametrize(
     "args",
-    [["--workers", "1"], ["--seconds", "0"], ["--ttl", "0.01"], ["--locks", "0"]],
+    [
+        ["--workers", "1"],
+        ["--seconds", "0"],
+        ["--ttl", "0.01"],
+        ["--locks", "0"],
+        ["--tasks", "0"],
+        ["--tasks", "17"],
+    ],
 )
 def test_bad_arguments_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exited:
@@ -155,6 +166,59 @@ def test_overlap_after_data_loss_is_allowed_only_across_the_loss():
     # nor may a holder whose guard ended before the loss began
     done = _interval("w1", NOW - 0.2, 1000.0, 1000.4)
     assert classify_overlaps([done, new], [], [loss], TTL, now_wall=NOW).after_data_loss == ()
+
+
+def test_two_contenders_of_one_process_are_distinct_holders():
+    """Contenders of one worker process record under holder ids of their own, so two of
+    them holding one lock at once is an overlap like any other; a SIGSTOP of the process
+    is recorded as a pause of each of them, and excuses exactly their intervals."""
+    t0, t1 = holder_name("worker-0", 0), holder_name("worker-0", 1)
+    assert t0 != t1
+    first = _interval(t0, NOW, 0.0, 1.0)
+    second = _interval(t1, NOW + 0.5, 0.5, 1.5)
+    classes = classify_overlaps([first, second], [], [], TTL, now_wall=NOW)
+    assert len(classes.unpaused) == 1
+    stopped = [Pause(t0, 0.2, 0.4), Pause(t1, 0.2, 0.4)]
+    classes = classify_overlaps([first, second], stopped, [], TTL, now_wall=NOW)
+    assert len(classes.paused) == 1
+    assert not classes.unpaused
+    # a pause of another process's contender excuses nothing here
+    other = [Pause(holder_name("worker-1", 0), 0.2, 0.4)]
+    assert classify_overlaps([first, second], other, [], TTL, now_wall=NOW).unpaused
+
+
+def _round(holder: str, lock: str, start: float, end: float, lease_from: float) -> RoundReport:
+    return RoundReport(
+        "worker-0",
+        lock,
+        int(NOW * 1e6),
+        "released",
+        None,
+        None,
+        start,
+        end,
+        lease_from + TTL,
+        None,
+        holder=holder,
+        lease_from=lease_from,
+        exit_end=end + 0.002,
+    )
+
+
+def test_local_handoff_is_a_lease_counted_from_a_siblings_release():
+    t0, t1 = holder_name("worker-0", 0), holder_name("worker-0", 1)
+    releaser = _round(t0, "a", 1.0, 2.0, 0.99)  # released from t=2.0 to t=2.002
+    handed = _round(t1, "a", 2.004, 2.5, 2.001)  # its lease counts from within that
+    own = _round(t0, "a", 2.6, 2.9, 2.55)  # its own attempt, after t1's release
+    elsewhere = _round(t1, "b", 2.004, 2.5, 2.001)  # another lock
+    assert local_handoffs([releaser, handed, own, elsewhere]) == [handed]
+    other_process = dataclasses.replace(handed, worker="worker-1", holder="worker-1/t1")
+    assert local_handoffs([releaser, other_process]) == []
+
+
+def test_replay_names_the_tasks_only_when_not_the_default():
+    assert "--tasks" not in ChaosConfig(seed=1).replay()
+    assert "--tasks 1" in ChaosConfig(seed=1, tasks=1).replay()
 
 
 def _stopped_holder_record(rounds: list[RoundReport]) -> RunRecord:
@@ -239,7 +303,8 @@ def _chaos(*args: str, tmp: Path, timeout: float) -> tuple[int, str, str]:
 
 @needs_server
 def test_chaos_run_of_20_seconds(tmp_path: Path):
-    """Four workers, three locks, 20 s of faults of every kind: every check passes."""
+    """Four workers of two contenders each, three locks, 20 s of faults of every kind:
+    every check passes."""
     code, out, err = _chaos(
         "--seconds",
         "20",
@@ -255,6 +320,7 @@ def test_chaos_run_of_20_seconds(tmp_path: Path):
     summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     assert summary["ok"]
     assert summary["seed"] == SEED
+    assert summary["tasks"] == 2  # the default: contenders share their worker's client
     assert summary["overlap"]["unpaused"]["count"] == 0
     assert summary["fenced_writes"]["stale_accepted"] == 0
     assert summary["counter_mismatches"] == 0

@@ -1,4 +1,5 @@
-"""``python -m asynclock.chaos [--workers N] [--seconds S] [--seed N] ...``: the chaos run."""
+"""``python -m asynclock.chaos [--workers N] [--tasks N] [--seconds S] [--seed N] ...``:
+the chaos run."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m asynclock.chaos",
         description=(
-            "Worker processes contend for a few asynclock leases on a private Redis server, "
+            "Worker processes (each running a few contending tasks on one Redis client) "
+            "contend for a few asynclock leases on a private Redis server, "
             "through a fault-injecting proxy, while a seeded nemesis injects faults (proxy "
             "delay, blackhole and reset, server stall, CLIENT KILL, FLUSHALL, restart "
             "without persistence, SIGSTOP of a holder). Then everything is healed, the "
@@ -35,6 +37,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workers", type=int, default=4, metavar="N", help="worker processes (default 4)"
+    )
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        default=2,
+        metavar="N",
+        help="contenders per worker process, sharing its one Redis client, so that a "
+        "release can hand the lock to a waiter of the same client (default 2)",
     )
     parser.add_argument(
         "--seconds",
@@ -77,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 2 <= args.workers <= 32:
         parser.error("--workers must be between 2 and 32")
+    if not 1 <= args.tasks <= 16:
+        parser.error("--tasks must be between 1 and 16")
     if not 1 <= args.locks <= 64:
         parser.error("--locks must be between 1 and 64")
     if not 0.1 <= args.ttl <= 10:
@@ -88,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ChaosConfig(
         seed=new_seed() if args.seed is None else args.seed,
         workers=args.workers,
+        tasks=args.tasks,
         seconds=args.seconds,
         locks=args.locks,
         ttl=args.ttl,

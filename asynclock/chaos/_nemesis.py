@@ -40,7 +40,8 @@ Durations and amounts are in multiples of the TTL, so the schedule scales with i
   persistence, after 0-0.75 TTL down: everything is lost.
 * ``holder_stop``: a worker process that holds a lock (as its last report says) is
   stopped with ``SIGSTOP`` for 2.5 TTLs; a :class:`~asynclock.testing.Pause` is recorded
-  for it in the shared history.
+  in the shared history for every contender (holder id) of the process, since all of them
+  are stopped.
 
 ``flush`` and ``restart`` are *data-loss* faults: the lease of a holder can be gone
 before the holder can know it, so its guarded work may overlap the next holder's until
@@ -299,11 +300,13 @@ _DIRECTIONS: Final[dict[str, Direction]] = {
 
 
 class Target(NamedTuple):
-    """A worker the nemesis can aim at: its name, process id and the index of its proxy."""
+    """A worker the nemesis can aim at: its name, process id and the index of its proxy,
+    and the holder ids its contenders record their intervals under (empty: its name)."""
 
     name: str
     pid: int
     slot: int
+    holders: tuple[str, ...] = ()
 
 
 Holders = Callable[[], Sequence[Target]]
@@ -519,7 +522,7 @@ class Nemesis:
             injection.outcome = "skipped: no worker held a lock"
             return
         injection.target = target.name
-        with self._history.paused(target.name):
+        with self._history.paused(*(target.holders or (target.name,))):
             os.kill(target.pid, signal.SIGSTOP)
             self._stopped_pids.add(target.pid)
             try:

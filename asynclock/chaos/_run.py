@@ -4,13 +4,15 @@ Design note. The parent is one asyncio program: the :class:`~asynclock.testing.F
 of each worker (one per worker, so that a network fault can cut off a single holder) runs
 on its loop, so nothing here may block it for long (server restarts and raw commands go to
 threads). Workers are ``subprocess`` children in their own session (a terminal's Ctrl-C
-reaches only the parent, which cleans up); each reports on its stdout, read by one task
-per worker, which keeps track of who holds a lock now (for the nemesis's ``holder_stop``
-and holder-scoped network faults) and collects how every round ended. The run is
-bounded at every step: workers must be ready within 30 s, the nemesis stops at the end of
-the run (the fault in progress is healed, not cut short), workers get a few TTLs plus
-10 s to stop before they are killed (a failure), and the whole run is cancelled cleanly
-by Ctrl-C or SIGTERM. Then every check runs over what was recorded (``_summary``).
+reaches only the parent, which cleans up), each running ``tasks`` contenders on one
+Redis client; each reports on its stdout, read by one task per worker, which keeps track
+of which of its contenders holds a lock now (for the nemesis's ``holder_stop`` and
+holder-scoped network faults, which hit the whole process) and collects how every round
+ended. The run is bounded at every step: workers must be ready within 30 s, the nemesis
+stops at the end of the run (the fault in progress is healed, not cut short), workers get
+a few TTLs plus 10 s to stop before they are killed (a failure), and the whole run is
+cancelled cleanly by Ctrl-C or SIGTERM. Then every check runs over what was recorded
+(``_summary``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from asynclock.testing import (
 
 from ._nemesis import Nemesis, Target, make_schedule
 from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, summarize
-from ._worker import WorkerConfig, counter_key
+from ._worker import WorkerConfig, counter_key, holder_name
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -56,7 +58,7 @@ _WORKER_CODE: Final = (
     "import sys; from asynclock.chaos._worker import main; sys.exit(main(sys.argv[1:]))"
 )
 _ROOT: Final = str(Path(__file__).resolve().parents[2])  # workers import this very asynclock
-_DEFAULTS: Final = {"workers": 4, "seconds": 20.0, "locks": 3, "ttl": 0.8}
+_DEFAULTS: Final = {"workers": 4, "tasks": 2, "seconds": 20.0, "locks": 3, "ttl": 0.8}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +68,8 @@ class ChaosConfig:
     Attributes:
         seed: drives the nemesis's schedule and the workers' choices.
         workers: worker processes (at least 2).
+        tasks: contenders per worker process, all sharing its one Redis client (so that
+            a release can hand the lock to another contender of the same client).
         seconds: length of the run, from the first worker being ready to healing.
         locks: locks the workers contend for.
         ttl: the leases' TTL.
@@ -77,6 +81,7 @@ class ChaosConfig:
 
     seed: int
     workers: int = 4
+    tasks: int = 2
     seconds: float = 20.0
     locks: int = 3
     ttl: float = 0.8
@@ -96,6 +101,8 @@ class ChaosConfig:
             f"--workers {self.workers}",
             f"--seconds {self.seconds:g}",
         ]
+        if self.tasks != _DEFAULTS["tasks"]:
+            parts.append(f"--tasks {self.tasks}")
         if self.locks != _DEFAULTS["locks"]:
             parts.append(f"--locks {self.locks}")
         if self.ttl != _DEFAULTS["ttl"]:
@@ -116,8 +123,11 @@ def new_seed() -> int:
 class _Worker:
     name: str
     proc: asyncio.subprocess.Process
+    holders: tuple[str, ...]
+    """The holder ids of its contenders (one per task)."""
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    holding: tuple[str, int] | None = None
+    holding: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    """Contender (holder id) -> (lock, fencing token) it holds now, by its last report."""
     final: dict[str, Any] | None = None
     stderr: deque[str] = dataclasses.field(default_factory=lambda: deque(maxlen=40))
     told_to_stop: bool = False
@@ -151,11 +161,11 @@ class _Run:
         self.nemesis: Nemesis | None = None
 
     def holders(self) -> list[Target]:
-        """The workers holding a lock now (by their last report)."""
+        """The workers of which a contender holds a lock now (by their last reports)."""
         return [
-            Target(w.name, w.proc.pid, index)
+            Target(w.name, w.proc.pid, index, w.holders)
             for index, w in enumerate(self.workers)
-            if w.holding is not None and w.proc.returncode is None
+            if w.holding and w.proc.returncode is None
         ]
 
     # -- workers ------------------------------------------------------------------------
@@ -173,6 +183,7 @@ class _Run:
             history=str(self.history_path),
             store=str(self.store_path),
             parent_pid=os.getpid(),
+            tasks=config.tasks,
             sabotage=config.sabotage,
         )
         env = dict(os.environ)
@@ -188,7 +199,8 @@ class _Run:
             env=env,
             start_new_session=True,
         )
-        worker = _Worker(name, proc)
+        holders = tuple(holder_name(name, task) for task in range(config.tasks))
+        worker = _Worker(name, proc, holders)
         worker.tasks = [
             asyncio.create_task(self._read_reports(worker)),
             asyncio.create_task(self._read_stderr(worker)),
@@ -208,15 +220,16 @@ class _Run:
             if kind == "ready":
                 worker.ready.set()
             elif kind == "acquired":
-                worker.holding = (str(message["lock"]), int(message["fence"]))
+                holder = str(message.get("holder", worker.name))
+                worker.holding[holder] = (str(message["lock"]), int(message["fence"]))
             elif kind == "round":
-                worker.holding = None
+                worker.holding.pop(str(message.get("holder", worker.name)), None)
                 self.rounds.append(RoundReport.from_message(worker.name, message))
             elif kind == "final":
                 worker.final = dict(message["stats"])
         if not worker.told_to_stop:
             worker.exited_early = True
-        worker.holding = None
+        worker.holding.clear()
 
     async def _read_stderr(self, worker: _Worker) -> None:
         stream = worker.proc.stderr
@@ -302,7 +315,9 @@ class _Run:
         try:
             try:
                 await self._start_workers()
-                targets = [Target(w.name, w.proc.pid, i) for i, w in enumerate(self.workers)]
+                targets = [
+                    Target(w.name, w.proc.pid, i, w.holders) for i, w in enumerate(self.workers)
+                ]
                 self.nemesis = injector = Nemesis(
                     self.server, self.proxies, self.history, self.holders, targets, config.ttl
                 )
@@ -336,6 +351,7 @@ class _Run:
             return RunRecord(
                 seed=config.seed,
                 workers=config.workers,
+                tasks=config.tasks,
                 seconds=config.seconds,
                 locks=config.lock_names,
                 ttl=config.ttl,
@@ -433,9 +449,9 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
     out = sys.stdout if out is None else out
     schedule = make_schedule(config.seed, config.seconds, config.ttl)
     print(
-        f"asynclock chaos: seed {config.seed}, {config.workers} workers, {config.locks} "
-        f"locks, ttl {config.ttl:g} s, {config.seconds:g} s, {len(schedule)} faults "
-        f"scheduled (replay: {config.replay()})",
+        f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
+        f"tasks, {config.locks} locks, ttl {config.ttl:g} s, {config.seconds:g} s, "
+        f"{len(schedule)} faults scheduled (replay: {config.replay()})",
         file=out,
         flush=True,
     )

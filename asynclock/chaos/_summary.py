@@ -28,6 +28,14 @@ Definitions (also in ``docs/chaos.md``):
   having stopped. ``after SIGCONT``: for a holder stopped while its body ran, from
   ``SIGCONT`` to its body having stopped. Losses noticed only after the body had ended
   (e.g. during the release) have no latency.
+* Holders are the contenders (``worker-N/tK``), several per worker process; a pause
+  (``SIGSTOP`` of the process) is recorded for each of them.
+* An acquisition came *by local handoff* when its lease counts from a moment within the
+  release of the same lock by another contender of the same process (from that one's
+  guard exit to the end of its ``async with``): a handoff's lease counts from just
+  before the releaser sends its HANDOFF script. An attempt of the contender's own sent
+  during that release and answered with the lock would count too; it is an informational
+  figure, not a check.
 """
 
 from __future__ import annotations
@@ -61,12 +69,14 @@ __all__ = [
     "Summary",
     "WorkerOutcome",
     "classify_overlaps",
+    "local_handoffs",
     "percentile",
     "summarize",
 ]
 
 _SLACK: Final = 0.002  # seconds of tolerance when comparing a token's time with a window
 _SHOWN: Final = 5  # violations of each kind printed in full
+_EPSILON: Final = 1e-6  # seconds: rounding of a lease's start recovered from its deadline
 
 
 # --------------------------------------------------------------------------------------
@@ -97,6 +107,17 @@ class RoundReport:
     """Seconds of the lease left when the body returned normally; None if it did not."""
     increments: int = 0
     refused: int = 0
+    holder: str | None = None
+    """The contender (holder id of its intervals); None: the worker's name."""
+    lease_from: float | None = None
+    """Loop time the lease counts from (its grant's send), when acquired."""
+    exit_end: float | None = None
+    """When the ``async with`` had finished, when the body was entered."""
+
+    @property
+    def who(self) -> str:
+        """The holder id of this round's interval."""
+        return self.holder if self.holder is not None else self.worker
 
     @property
     def lost_after_finishing(self) -> bool:
@@ -121,6 +142,9 @@ class RoundReport:
             left_at_end=_opt_float(message.get("left_at_end")),
             increments=int(message.get("increments", 0)),
             refused=int(message.get("refused", 0)),
+            holder=None if message.get("holder") is None else str(message["holder"]),
+            lease_from=_opt_float(message.get("lease_from")),
+            exit_end=_opt_float(message.get("exit_end")),
         )
 
 
@@ -159,6 +183,8 @@ class RunRecord:
     wall_seconds: float
     replay: str
     """The command line that replays this run."""
+    tasks: int = 1
+    """Contenders per worker process."""
 
 
 # --------------------------------------------------------------------------------------
@@ -312,7 +338,7 @@ def _latencies(
         if report.fence is None:
             continue
         interval = Interval(
-            report.lock, report.worker, report.fence, report.body_start, report.body_end
+            report.lock, report.who, report.fence, report.body_start, report.body_end
         )
         pause = pause_of(interval, by_holder, record.ttl)
         if pause is not None:
@@ -343,6 +369,26 @@ def _latencies(
                 unexplained.append(report.lost_at - report.body_start)
             elif report.body_end >= latest.end:
                 found["not_owner"].append(report.body_end - latest.end)
+    return found
+
+
+def local_handoffs(rounds: Iterable[RoundReport]) -> list[RoundReport]:
+    """The rounds whose lock came by local handoff (see the module documentation)."""
+    releases: dict[tuple[str, str], list[tuple[float, float, str]]] = defaultdict(list)
+    for report in rounds:
+        if report.body_end is not None and report.exit_end is not None:
+            releases[report.worker, report.lock].append(
+                (report.body_end, report.exit_end, report.who)
+            )
+    found = []
+    for report in rounds:
+        start = report.lease_from
+        if start is None or report.body_start is None:
+            continue
+        for begin, end, who in releases.get((report.worker, report.lock), ()):
+            if who != report.who and begin - _EPSILON <= start <= end + _EPSILON:
+                found.append(report)
+                break
     return found
 
 
@@ -412,6 +458,7 @@ def summarize(record: RunRecord) -> Summary:
     # -- acquisitions and errors -------------------------------------------------------
     acquired = [r for r in record.rounds if r.body_start is not None]
     per_lock = Counter(r.lock for r in acquired)
+    handed = local_handoffs(record.rounds)
     outcomes = Counter(r.outcome for r in record.rounds)
     lost = Counter(str(r.reason) for r in record.rounds if r.outcome == "lost")
     hidden = Counter(str(r.reason) for r in record.rounds if r.outcome != "lost" and r.reason)
@@ -475,6 +522,7 @@ def summarize(record: RunRecord) -> Summary:
         "ok": not failures,
         "seed": record.seed,
         "workers": record.workers,
+        "tasks": record.tasks,
         "seconds": record.seconds,
         "locks": len(record.locks),
         "ttl": ttl,
@@ -488,7 +536,11 @@ def summarize(record: RunRecord) -> Summary:
             "skipped": dict(sorted(skipped.items())),
             "errors": len(errors),
         },
-        "acquisitions": {"total": len(acquired), "by_lock": dict(sorted(per_lock.items()))},
+        "acquisitions": {
+            "total": len(acquired),
+            "by_lock": dict(sorted(per_lock.items())),
+            "by_local_handoff": len(handed),
+        },
         "rounds": {"total": len(record.rounds), "by_outcome": dict(sorted(outcomes.items()))},
         "errors": dict(sorted(round_errors.items())),
         "unexpected_errors": len(unexpected),
@@ -568,12 +620,13 @@ def _render(
         f"{lock} {c['value']} = {c['accepted_increments']}" for lock, c in counters.items()
     )
     lines = [
-        f"asynclock chaos: seed {record.seed}, {record.workers} workers, "
+        f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{len(record.locks)} locks, ttl {record.ttl:g} s, {record.seconds:g} s on {record.engine}",
         f"  faults injected      {faults['injected']} of {faults['scheduled']} scheduled: "
         + ", ".join(kinds),
         f"  acquisitions         {acq['total']}: "
-        + ", ".join(f"{lock} {n}" for lock, n in acq["by_lock"].items()),
+        + ", ".join(f"{lock} {n}" for lock, n in acq["by_lock"].items())
+        + f"; {acq['by_local_handoff']} by local handoff",
         f"  rounds               {data['rounds']['total']}: "
         + _counts(data["rounds"]["by_outcome"]),
         f"  errors (handled)     {_counts(data['errors'])}",

@@ -1,21 +1,26 @@
 """A chaos worker process: contends for a few locks until told to stop.
 
 Started by the chaos run as ``python -c "from asynclock.chaos._worker import main; ..."``
-with one JSON argument (a :class:`WorkerConfig`). Each round it takes one of the locks
-(seeded choice) with :func:`asynclock.lease`, records its guarded interval in the shared
-:class:`~asynclock.testing.History`, does a few fenced read-increment-write steps on the
-lock's counter in the shared :class:`~asynclock.testing.FencedStore` (checking
-``await lock.is_held()`` before each), sometimes verifies the lease with Redis, and
-releases. Every error a fault can cause (``LockLost``, ``AcquireTimeout``, Redis and
-socket errors, a busy database) ends the round, is counted, and the next round starts.
+with one JSON argument (a :class:`WorkerConfig`). It runs ``tasks`` contenders, asyncio
+tasks that all share the process's one Redis client (so a release by one can hand the
+lock straight to another waiting in the client's local line). Each contender loops over
+rounds: it takes one of the locks (seeded choice) with :func:`asynclock.lease`, records
+its guarded interval in the shared :class:`~asynclock.testing.History` under a holder id
+of its own (``worker-N/tK``, see :func:`holder_name`), does a few fenced
+read-increment-write steps on the lock's counter in the shared
+:class:`~asynclock.testing.FencedStore` (checking ``await lock.is_held()`` before each),
+sometimes verifies the lease with Redis, and releases. Every error a fault can cause
+(``LockLost``, ``AcquireTimeout``, Redis and socket errors, a busy database) ends the
+round, is counted, and the contender's next round starts.
 
 It reports to the parent on stdout, one JSON object per line: ``ready``, ``acquired``
 (when a body starts), ``round`` (how each round ended, with the times the detection
-latency is computed from) and, last, ``final`` (its counters). It stops when its stdin
-reaches EOF: a round in its body may finish (up to 3 TTLs), an acquire in progress is
-cancelled. It never outlives the parent: on Linux it asks the kernel for ``SIGKILL`` when
-the parent dies (``PR_SET_PDEATHSIG``), which also reaches a worker stopped by
-``SIGSTOP``, and stdin EOF covers the rest.
+latency is computed from) and, last, ``final`` (its counters, summed over its
+contenders). It stops when its stdin reaches EOF: a contender's round in its body may
+finish (up to 3 TTLs), a contender's acquire in progress is cancelled. It never outlives
+the parent: on Linux it asks the kernel for ``SIGKILL`` when the parent dies
+(``PR_SET_PDEATHSIG``), which also reaches a worker stopped by ``SIGSTOP``, and stdin EOF
+covers the rest.
 
 Design note: the store's SQLite calls run in worker threads (``abandon_on_cancel``), not
 on the event loop. A worker stopped by ``SIGSTOP`` inside a SQLite transaction holds the
@@ -54,9 +59,10 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 import asynclock
+from asynclock._options import drift_for
 from asynclock.testing import FencedStore, Guard, History
 
-__all__ = ["WorkerConfig", "counter_key", "main"]
+__all__ = ["WorkerConfig", "counter_key", "holder_name", "main"]
 
 _PR_SET_PDEATHSIG: Final = 1
 _STOP_GRACE: Final = 3.0  # TTLs a round in its body may take to finish after a stop
@@ -82,6 +88,13 @@ def counter_key(lock: str) -> str:
     return f"counter:{lock}"
 
 
+def holder_name(worker: str, task: int) -> str:
+    """The holder id that contender ``task`` of worker process ``worker`` records its
+    intervals (and fenced writes) under: every contender is a holder of its own, so two
+    contenders of one process holding one lock at once are an overlap like any other."""
+    return f"{worker}/t{task}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """What one worker process is told (as JSON on its command line). Times in seconds."""
@@ -96,6 +109,8 @@ class WorkerConfig:
     store: str
     parent_pid: int
     prefix: str = "asynclock:"
+    tasks: int = 1
+    """Contenders (asyncio tasks) in the process, all sharing its one Redis client."""
     sabotage: bool = False
     """A negative control: bodies ignore ``is_held()`` and are shielded from the lease's
     cancellation, so they run on after a loss (the checks must then fail)."""
@@ -166,19 +181,24 @@ class _Round:
     """Seconds of the lease left when the body returned normally (None: it did not)."""
     increments: int = 0
     refused: int = 0
+    lease_from: float | None = None
+    """The loop time the lease counts from (the confirmed send of its grant: our own
+    acquire attempt, or a sibling's release that handed it to us); None if not acquired."""
+    exit_end: float | None = None
+    """When ``async with`` had finished (released or not), if the body was entered."""
 
     def message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 class _Worker:
+    """The process: one Redis client, history and store, shared by its contenders."""
+
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.rng = random.Random(f"asynclock-chaos:{config.seed}:{config.index}")
         self.report = _Reporter()
         self.stats: Counter[str] = Counter()
         self.warnings: Counter[str] = Counter()
-        self.in_body = False
         self.client = Redis.from_url(
             config.url,
             socket_timeout=max(1.0, 2 * config.ttl),
@@ -187,6 +207,7 @@ class _Worker:
         )
         self.history = History(config.history)
         self.store = FencedStore(config.store, busy_timeout=10.0)
+        self.contenders = [_Contender(self, task) for task in range(max(1, config.tasks))]
 
     async def run(self) -> int:
         handler = _CountWarnings(self.warnings)
@@ -195,15 +216,11 @@ class _Worker:
         logger.propagate = False
         stop = asyncio.Event()
         watcher = asyncio.create_task(_wait_for_eof(stop))
-        self.report("ready", pid=os.getpid())
+        self.report("ready", pid=os.getpid(), tasks=len(self.contenders))
         try:
-            while not stop.is_set():
-                await self._one_round(stop)
-                if not stop.is_set():
-                    pause = self.rng.uniform(*_BETWEEN_ROUNDS) * self.config.ttl
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(pause):
-                            await stop.wait()
+            async with asyncio.TaskGroup() as group:
+                for contender in self.contenders:
+                    group.create_task(contender.run(stop))
         finally:
             watcher.cancel()
             await asyncio.wait({watcher})
@@ -214,8 +231,37 @@ class _Worker:
             self.report("final", stats=stats)
         return 0
 
+
+class _Contender:
+    """One contender of a worker process: its own rounds, random choices and holder id.
+
+    Everything that belongs to a round (the lock chosen, whether its body is running, the
+    interval recorded) is the contender's own; the process's stats are shared.
+    """
+
+    def __init__(self, worker: _Worker, task: int) -> None:
+        config = worker.config
+        self.worker = worker
+        self.config = config
+        self.task = task
+        self.holder = holder_name(config.name, task)
+        # contender 0 draws what the single contender of a worker drew before
+        suffix = f":{task}" if task else ""
+        self.rng = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}")
+        self.in_body = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._one_round(stop)
+            if not stop.is_set():
+                pause = self.rng.uniform(*_BETWEEN_ROUNDS) * self.config.ttl
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause):
+                        await stop.wait()
+
     async def _one_round(self, stop: asyncio.Event) -> None:
-        """Run one round as a task, so that a stop can cancel it (or let its body finish)."""
+        """Run one round as a task, so that a stop can cancel it (or let its body finish:
+        this contender's body, whatever the process's other contenders are doing)."""
         task = asyncio.create_task(self._round())
         stopping = asyncio.create_task(stop.wait())
         try:
@@ -231,28 +277,31 @@ class _Worker:
             await asyncio.wait({stopping})
 
     def _hook(self, state: _Round) -> asynclock.EventHook:
-        history = self.history
+        history = self.worker.history
+        stats = self.worker.stats
 
         def hook(event: asynclock.LeaseEvent) -> None:
             history.on_event(event)
             if event.kind is asynclock.LeaseEventKind.LOST and state.lost_at is None:
                 state.lost_at = event.at
-            self.stats[f"event:{event.kind}"] += 1
+            stats[f"event:{event.kind}"] += 1
 
         return hook
 
     async def _round(self) -> None:
         config = self.config
+        worker = self.worker
+        stats = worker.stats
         lock_name = self.rng.choice(config.locks)
         steps = self.rng.randint(*_STEPS)
         verify = self.rng.random() < _VERIFY
         state = _Round(lock_name)
-        self.stats["rounds"] += 1
+        stats["rounds"] += 1
         lock: asynclock.Lease | None = None
         guard: Guard | None = None
         try:
             async with asynclock.lease(
-                self.client,
+                worker.client,
                 lock_name,
                 ttl=config.ttl,
                 blocking_timeout=3 * config.ttl,
@@ -261,10 +310,17 @@ class _Worker:
                 on_event=self._hook(state),
             ) as lock:
                 state.fence = lock.fencing_token
+                # safe_until is t_send + ttl - drift until the first renewal (no await yet)
+                state.lease_from = lock.safe_until - (config.ttl - drift_for(config.ttl))
                 self.in_body = True
                 try:
-                    with self.history.guard_lease(lock, config.name) as guard:
-                        self.report("acquired", lock=lock_name, fence=lock.fencing_token)
+                    with worker.history.guard_lease(lock, self.holder) as guard:
+                        worker.report(
+                            "acquired",
+                            lock=lock_name,
+                            fence=lock.fencing_token,
+                            holder=self.holder,
+                        )
                         await self._body(lock, state, steps, verify)
                         state.left_at_end = lock.time_left
                 finally:
@@ -287,14 +343,15 @@ class _Worker:
         finally:
             if guard is not None and guard.interval is not None:
                 state.body_start, state.body_end = guard.interval.start, guard.interval.end
+                state.exit_end = time.monotonic()
             if lock is not None:
                 state.safe_until = lock.safe_until
-            self.stats[f"outcome:{state.outcome}"] += 1
+            stats[f"outcome:{state.outcome}"] += 1
             if state.reason is not None:
-                self.stats[f"lost:{state.reason}"] += 1
+                stats[f"lost:{state.reason}"] += 1
             if state.error is not None:
-                self.stats[f"error:{state.error}"] += 1
-            self.report("round", **state.message())
+                stats[f"error:{state.error}"] += 1
+            worker.report("round", holder=self.holder, **state.message())
 
     async def _body(self, lock: asynclock.Lease, state: _Round, steps: int, verify: bool) -> None:
         if self.config.sabotage:
@@ -303,13 +360,13 @@ class _Worker:
             return
         await self._steps(lock, state, steps, check=True)
         if verify and not await lock.is_held(verify=True):
-            self.stats["verify_false"] += 1
+            self.worker.stats["verify_false"] += 1
 
     async def _steps(self, lock: asynclock.Lease, state: _Round, steps: int, check: bool) -> None:
         ttl = self.config.ttl
         for _ in range(steps):
             if check and not await lock.is_held():
-                self.stats["is_held_false"] += 1
+                self.worker.stats["is_held_false"] += 1
                 return
             if await self._increment(lock):
                 state.increments += 1
@@ -321,8 +378,8 @@ class _Worker:
     async def _increment(self, lock: asynclock.Lease) -> bool:
         """``FencedStore.increment(key, fencing_token=...)``, with each SQLite call in a
         thread (see the module's design note): claim, read, pause, write."""
-        store, key, token = self.store, counter_key(lock.name), lock.fencing_token
-        holder = self.config.name
+        store, key, token = self.worker.store, counter_key(lock.name), lock.fencing_token
+        holder = self.holder
 
         def claim_and_read() -> int | None:
             if not store.claim(key, token, holder=holder):
