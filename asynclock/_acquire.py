@@ -136,8 +136,8 @@ class Acquisition:
                 if waiter.grant is not None:  # a releaser in this client handed it to us
                     fence, t_send = waiter.grant
                     waiter.grant = None
+                    waiter.offered = False  # the handoff is over (_landed covers the key)
                     if self._usable(t_send):
-                        waiter.offered = False
                         granted = Grant(self._token, fence, t_send)
                         return granted
                     waiter.event.set()  # too late to use: refresh it with an attempt
@@ -177,8 +177,13 @@ class Acquisition:
             # Having just taken the lock, do not send the next in line to try in vain:
             # our release will wake it.
             room.leave(channel, waiter, wake_next=granted is None)
-            if granted is None and not room.waiting(channel) and room.registered(channel):
-                await self._unregister()
+            if not room.waiting(channel) and room.registered(channel):
+                # Our line is empty: drop our registration as waiting. After a handoff
+                # (decided when it was sent) this goes on in the background.
+                if granted is None:
+                    await self._unregister()
+                else:
+                    room.in_background(self._unregister())
 
     def _fallback(self, pttl_ms: int) -> float:
         """Seconds to wait before trying again without a notification."""

@@ -165,6 +165,7 @@ class Companion:
             with contextlib.suppress(asyncio.CancelledError):
                 await check
         await self.watchdog.aclose()
+        await self.lane.aclose()
         for client in (self._renewer, self._overflow):
             if client is not None:
                 await client.aclose()

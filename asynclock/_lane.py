@@ -5,19 +5,19 @@ path redis-py's per-command machinery costs a good part of a round trip: with a 
 timeout set (5 s by default) every write runs under ``asyncio.wait_for``, which makes a
 task and costs extra event-loop iterations, and every read under a timeout of its own.
 
-A :class:`Lane` keeps a few connections (at most a quarter of the pool's capacity, and
-16) checked out of the caller's own pool while
-leases come and go, with their socket timeout set aside, and bounds each exchange (write
-and read together) by one ``asyncio.timeout`` of the connection's own socket timeout. The
-connections stay in the caller's pool's books, so closing the client closes them; they
-are given back (their timeout restored) once the lane has gone unused for ``_LINGER``
-seconds.
+A :class:`Lane` keeps a few connections (a quarter of the pool's capacity, 16 at most;
+none for a pool of fewer than 4) checked out of the caller's own pool while leases come and
+go, with their socket timeout set aside, and bounds each exchange (write and read
+together) by one ``asyncio.timeout`` of the connection's own socket timeout, or less when
+the caller has less time. The connections stay in the caller's pool's books, so closing
+the client closes them; they are given back (their timeout restored) once the lane has
+gone unused for ``_LINGER`` seconds, and when the event loop shuts down.
 
 It is a fast path only. When all of its connections are busy, a call goes the ordinary
-way on the client (``_scripts.exchange``), and when the caller's pool is exhausted it
-raises ``MaxConnectionsError`` with nothing sent, as that does. A connection that fails
-or is interrupted mid-exchange is disconnected by redis-py and reconnects on its next
-use; the callers already retry once after an unknown outcome.
+way on the client (:func:`exchange`), and when the caller's pool is exhausted it raises
+``MaxConnectionsError`` with nothing sent, as that does. A connection that fails or is
+interrupted mid-exchange is disconnected by redis-py and reconnects on its next use; the
+callers already retry once after an unknown outcome.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _LINGER: Final = 1.0  # seconds unused after which the lane gives its connection
 class Lane:
     """Connections borrowed from one client's pool for the hot path; see the design note."""
 
-    __slots__ = ("_held", "_idle", "_loop", "_returning", "_size", "_timer", "_used", "client")
+    __slots__ = ("_held", "_idle", "_keeper", "_loop", "_size", "_used", "client")
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
@@ -46,33 +46,36 @@ class Lane:
         self._idle: list[tuple[Any, float | None]] = []  # (connection, its socket timeout)
         self._held = 0  # connections checked out by the lane, idle or busy
         self._used = 0.0  # loop time of the last call
-        self._timer: asyncio.TimerHandle | None = None
-        self._returning: asyncio.Task[None] | None = None
-        limit = getattr(client.connection_pool, "max_connections", None) or _SIZE * 8
-        self._size = max(1, min(_SIZE, int(limit) // 4))  # leave the application its pool
+        self._keeper: asyncio.Task[None] | None = None
+        limit = getattr(client.connection_pool, "max_connections", None) or _SIZE * 4
+        self._size = min(_SIZE, int(limit) // 4)  # leave the application its pool (0: none)
 
-    async def call(self, packed: bytes, limit: float | None = None) -> object:
+    async def call(self, packed: bytes, deadline: float | None = None) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
         raised, as by :func:`exchange`.
 
-        The exchange is bounded by the connection's socket timeout and by ``limit``
-        (seconds) if given; past it ``TimeoutError`` is raised. Raises
+        The exchange is bounded by the connection's socket timeout and ends by
+        ``deadline`` (loop time) if given; past either, ``TimeoutError`` is raised. Raises
         ``MaxConnectionsError`` (nothing sent) when the caller's pool is exhausted, and
         the connection error or cancellation that interrupted the exchange (the outcome
         is then unknown).
         """
-        self._used = self._loop.time()
+        loop = self._loop
+        self._used = now = loop.time()
         if self._idle:
             connection, saved = self._idle.pop()
         elif self._held < self._size:
-            connection, saved = await self._borrow()
-        else:  # every lane connection is busy: the ordinary way, bounded by limit
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout_at(deadline):
+                connection, saved = await self._borrow()
+        else:  # every lane connection is busy (or none allowed): the ordinary way
+            async with asyncio.timeout_at(deadline):
                 (reply,) = await exchange(self.client, packed, 1)
             return reply
-        bound = saved if limit is None or (saved is not None and saved < limit) else limit
+        ends = deadline
+        if saved is not None and (ends is None or now + saved < ends):
+            ends = now + saved
         try:
-            async with asyncio.timeout(bound):
+            async with asyncio.timeout_at(ends):
                 await connection.send_packed_command(packed, check_health=False)
                 try:
                     reply = await connection.read_response()
@@ -94,38 +97,40 @@ class Lane:
             raise
         timeout = connection.socket_timeout
         connection.socket_timeout = None  # our own bound replaces it (see the design note)
-        if self._timer is None:
-            self._timer = self._loop.call_later(_LINGER, self._check)
+        if self._keeper is None:
+            self._keeper = self._loop.create_task(self._keep(), name="asynclock-lane")
         return connection, (float(timeout) if timeout else None)
 
     async def _give_back(self, connection: Any, saved_timeout: float | None) -> None:
+        """Restore the connection's timeout and return it to the pool; a cancellation
+        while the pool's lock is awaited does not leave it counted as in use."""
         connection.socket_timeout = saved_timeout
         self._held -= 1
-        await self.client.connection_pool.release(connection)
+        await asyncio.shield(self.client.connection_pool.release(connection))
 
-    def _check(self) -> None:
-        """Give the idle connections back once the lane has gone unused for _LINGER s."""
-        self._timer = None
-        if not self._held:
-            return
-        idle_for = self._loop.time() - self._used
-        if idle_for < _LINGER or self._returning is not None:
-            self._timer = self._loop.call_later(max(_LINGER - idle_for, 0.01), self._check)
-            return
-        self._returning = self._loop.create_task(self.aclose(), name="asynclock-lane-return")
+    async def _keep(self) -> None:
+        """While the lane holds connections: give the idle ones back once it has gone
+        unused for _LINGER seconds, and when the event loop shuts down (this task is
+        then cancelled), so that a loop that ends leaves nothing borrowed."""
+        try:
+            while self._held:
+                idle_for = self._loop.time() - self._used
+                if idle_for >= _LINGER and self._idle:
+                    await self.aclose()
+                else:
+                    await asyncio.sleep(max(_LINGER - idle_for, 0.05))
+        finally:
+            self._keeper = None
+            with contextlib.suppress(Exception):
+                await self.aclose()
 
     async def aclose(self) -> None:
-        """Give every idle connection back to the caller's pool (busy ones stay until
-        their call returns, then go back when the lane is next found unused)."""
-        try:
-            while self._idle:
-                connection, timeout = self._idle.pop()
-                with contextlib.suppress(Exception):
-                    await self._give_back(connection, timeout)
-        finally:
-            self._returning = None
-            if self._held and self._timer is None:
-                self._timer = self._loop.call_later(_LINGER, self._check)
+        """Give every idle connection back to the caller's pool (busy ones go back when
+        their call fails, or later when the lane is found unused)."""
+        while self._idle:
+            connection, saved = self._idle.pop()
+            with contextlib.suppress(Exception):
+                await self._give_back(connection, saved)
 
 
 async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:

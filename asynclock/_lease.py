@@ -400,9 +400,10 @@ class LeaseContext:
         return None
 
     async def _give_back(self, held: Lease, *, shielded: bool) -> bool:
-        """Stop renewing and release the key (shielded, within release_timeout), or hand
-        it to the next waiter of this client's line. Returns True when the release let
-        waiters of other clients compete (see ``WaitingRoom.wake_with_others``).
+        """Stop renewing and release the key (shielded; every exchange ends within
+        release_timeout), or hand it to the next waiter of this client's line. Returns
+        True when the release let waiters of other clients compete (see
+        ``WaitingRoom.wake_with_others``).
 
         A renewal of this lease may still be in flight in a batch with other leases'; it
         is not waited for: the renew script is owner-checked, so landing after the
@@ -499,13 +500,15 @@ async def _release(
         ]
     t_send = companion.loop.time()
     try:
-        reply = await script(companion.lane, keys, args, deadline - t_send)
+        reply = await script(companion.lane, keys, args, deadline)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args)
     except UNKNOWN_OUTCOME as exc:
         log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
         first = False
+        if successor is not None:  # the first run may have registered us as waiting
+            companion.room.set_registered(options.channel, True)
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args)
     if successor is None:
@@ -514,8 +517,13 @@ async def _release(
     else:
         status, fence = (int(x) for x in reply)  # type: ignore[attr-defined]
         room = companion.room
-        if status == 1:
-            successor.grant = (fence, t_offer)
+        if status == 3 and first:
+            # The next holder took the key by an attempt of its own: ours was gone before
+            # the release (its own reply tells it so; it is only woken here).
+            successor.event.set()
+            return _Outcome.NOT_OURS if t_send < held.safe_until else None
+        if status in (1, 3):  # (3 on a retry: our first run's handoff had landed)
+            successor.grant = (fence, t_offer)  # the script set or renewed its expiry
             successor.event.set()
             room.set_registered(options.channel, args[6] == "keep")
             return _Outcome.HANDED
@@ -523,6 +531,9 @@ async def _release(
         if status == 2:
             room.set_registered(options.channel, True)
             return _Outcome.CONTESTED
+        if status == 4:  # the next holder gave up; released as RELEASE does
+            room.set_registered(options.channel, args[6] == "keep")
+            return _Outcome.RELEASED
     return _Outcome.NOT_OURS if first and t_send < held.safe_until else None
 
 

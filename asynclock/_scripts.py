@@ -83,29 +83,29 @@ class Script:
         target: Redis | Lane,
         keys: Sequence[str],
         args: Sequence[Arg],
-        limit: float | None = None,
+        deadline: float | None = None,
     ) -> object:
         """Run the script on a client or a client's lane (one round trip, two after a
-        NOSCRIPT). On a lane, ``limit`` (seconds) bounds each exchange further.
+        NOSCRIPT). On a lane, every exchange also ends by ``deadline`` (loop time).
 
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
         """
         encoding = encoding_of(target.client if isinstance(target, Lane) else target)
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        reply = await _send(target, pack(command, *encoding), limit)
+        reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, NoScriptError):
             command = ("EVAL", self.source, len(keys), *keys, *args)
-            reply = await _send(target, pack(command, *encoding), limit)
+            reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, BaseException):
             raise reply
         return reply
 
 
-async def _send(target: Redis | Lane, packed: bytes, limit: float | None) -> object:
+async def _send(target: Redis | Lane, packed: bytes, deadline: float | None) -> object:
     # (isinstance against Redis is slow: redis-py's client classes derive from a Protocol)
     if isinstance(target, Lane):
-        return await target.call(packed, limit)
+        return await target.call(packed, deadline)
     (reply,) = await exchange(target, packed, 1)
     return reply
 
@@ -142,34 +142,52 @@ ACQUIRE = Script(
 -- returns {1, fencing token} when held by this token (new, or a retry of ours),
 --         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
+-- Registration writes use pcall: under maxmemory they are skipped, not fatal.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function register(since, now)
+  redis.pcall('HSET', KEYS[4], ARGV[4], string.format('%d:%d', since, now + ARGV[5]))
+  if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[5]) then  -- only ever extended
+    redis.pcall('PEXPIRE', KEYS[4], ARGV[5])
+  end
+end
+local function on_success()
+  if ARGV[6] == 'keep' then
+    local now = now_ms()
+    register(now, now)
+  elseif ARGV[6] == 'drop' then
+    redis.call('HDEL', KEYS[4], ARGV[4])
+  end
+end
 local current = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ':'
 if current then
   if string.sub(current, 1, #mine) == mine then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    on_success()
     return {1, tonumber(string.sub(current, #mine + 1))}
   end
   if ARGV[4] ~= '' then
-    local t = redis.call('TIME')
-    local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    local since = now_ms
+    local now = now_ms()
+    local since = now
     local entry = redis.call('HGET', KEYS[4], ARGV[4])
     if entry then
       local s, u = string.match(entry, '^(%d+):(%d+)$')
-      if s and tonumber(u) > now_ms then
+      if s and tonumber(u) > now then
         since = tonumber(s)
       end
     end
-    redis.call('HSET', KEYS[4], ARGV[4], string.format('%d:%d', since, now_ms + ARGV[5]))
-    redis.call('PEXPIRE', KEYS[4], ARGV[5])
+    register(since, now)
   end
   return {0, redis.call('PTTL', KEYS[1])}
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {-1, 0}
 end
-local now = redis.call('TIME')
-local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local t = redis.call('TIME')
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[2]))
 if last and last >= fence then
   fence = last + 1
@@ -177,13 +195,7 @@ end
 local text = string.format('%d', fence)
 redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
-if ARGV[6] == 'keep' then
-  local now_ms = math.floor(fence / 1000)
-  redis.call('HSET', KEYS[4], ARGV[4], string.format('%d:%d', now_ms, now_ms + ARGV[5]))
-  redis.call('PEXPIRE', KEYS[4], ARGV[5])
-elseif ARGV[6] == 'drop' then
-  redis.call('HDEL', KEYS[4], ARGV[4])
-end
+on_success()
 return {1, fence}
 """,
 )
@@ -231,50 +243,65 @@ HANDOFF = Script(
 -- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
 -- ARGV[7] 'keep' if our line still has waiters behind the next holder, else 'drop',
 -- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms)
--- returns {1, fencing token} when the key now belongs to the next token (also when a
---         retry finds it already did),
---         {2, 0} when it was released as RELEASE does (key deleted, waiters notified),
+-- returns {1, fencing token} when the key now belongs to the next token,
+--         {3, fencing token} when it already did (the next holder took it by an attempt
+--           of its own, or this is a retry after our handoff landed); its expiry is
+--           renewed, so the caller's send time is a valid start for the next holder,
+--         {2, 0} when released as RELEASE does because another client's waiter is due,
+--         {4, 0} when released as RELEASE does because the next holder gave up,
 --         {0, 0} when the key was not ours
+-- The first write of each branch deletes the key (DEL is never refused for memory), so
+-- that under maxmemory (noeviction) the writes after it are not refused either: Redis
+-- lets a script that has already written go on writing.
 local current = redis.call('GET', KEYS[1])
 local nextmine = ARGV[2] .. ':'
 if current and string.sub(current, 1, #nextmine) == nextmine then
-  return {1, tonumber(string.sub(current, #nextmine + 1))}
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {3, tonumber(string.sub(current, #nextmine + 1))}
 end
 if current ~= ARGV[1] then
   return {0, 0}
 end
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local patience = tonumber(ARGV[9])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function register()  -- our line waits on, from now
+  redis.pcall('HSET', KEYS[4], ARGV[6], string.format('%d:%d', now, now + ARGV[8]))
+  if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[8]) then  -- only ever extended
+    redis.pcall('PEXPIRE', KEYS[4], ARGV[8])
+  end
+end
 local others = false
 local waiting = redis.call('HGETALL', KEYS[4])
 for i = 1, #waiting, 2 do
   local s, u = string.match(waiting[i + 1], '^(%d+):(%d+)$')
-  if not s or tonumber(u) <= now_ms then
+  if not s or tonumber(u) <= now then
     redis.call('HDEL', KEYS[4], waiting[i])
-  elseif waiting[i] ~= ARGV[6] and now_ms - tonumber(s) >= patience then
+  elseif waiting[i] ~= ARGV[6] and now - tonumber(s) >= tonumber(ARGV[9]) then
     others = true
   end
 end
-if others or redis.call('EXISTS', KEYS[3]) == 1 then
+local abandoned = redis.call('EXISTS', KEYS[3]) == 1
+if others or abandoned then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[5], ARGV[6])
-  -- our next holder still waits, from now on
-  redis.call('HSET', KEYS[4], ARGV[6], string.format('%d:%d', now_ms, now_ms + ARGV[8]))
-  redis.call('PEXPIRE', KEYS[4], ARGV[8])
-  return {2, 0}
+  if others or ARGV[7] == 'keep' then
+    register()
+  else
+    redis.call('HDEL', KEYS[4], ARGV[6])
+  end
+  return {abandoned and not others and 4 or 2, 0}
 end
-local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[2]))
 if last and last >= fence then
   fence = last + 1
 end
 local text = string.format('%d', fence)
-redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
+redis.call('DEL', KEYS[1])  -- (a write that maxmemory does not refuse; see above)
 redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
+redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
 if ARGV[7] == 'keep' then
-  redis.call('HSET', KEYS[4], ARGV[6], string.format('%d:%d', now_ms, now_ms + ARGV[8]))
-  redis.call('PEXPIRE', KEYS[4], ARGV[8])
+  register()
 else
   redis.call('HDEL', KEYS[4], ARGV[6])
 end

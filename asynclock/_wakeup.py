@@ -28,6 +28,7 @@ import logging
 import math
 import secrets
 from collections import deque
+from collections.abc import Coroutine
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -80,7 +81,7 @@ class WaitingRoom:
         # heads standing back for other clients' waiters: channel -> the timer's handle
         self._deferred: dict[str, asyncio.TimerHandle] = {}
         self._registered: set[str] = set()  # channels for which we may be registered waiting
-        self._background: set[asyncio.Task[bool]] = set()  # subscriptions made in passing
+        self._background: set[asyncio.Task[object]] = set()  # work made in passing
 
     @property
     def open(self) -> bool:
@@ -151,17 +152,19 @@ class WaitingRoom:
         if channel not in self._confirmed or not self._healthy:
             self.wake(channel)
             if not self._background:
-                task = asyncio.get_running_loop().create_task(
-                    self.subscribe(channel), name="asynclock-subscribe"
-                )
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self.in_background(self.subscribe(channel))
             return
         earlier = self._deferred.pop(channel, None)
         if earlier is not None:
             earlier.cancel()
         loop = asyncio.get_running_loop()
         self._deferred[channel] = loop.call_later(_YIELD, self._wake_deferred, channel)
+
+    def in_background(self, work: Coroutine[Any, Any, object]) -> None:
+        """Run ``work`` as a task of this room's, cancelled if the room is closed first."""
+        task = asyncio.get_running_loop().create_task(work, name="asynclock-background")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _wake_deferred(self, channel: str) -> None:
         if self._deferred.pop(channel, None) is not None:

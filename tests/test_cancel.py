@@ -97,7 +97,7 @@ def test_cancel_after_any_number_of_loop_steps_leaves_no_key(redis_server: Any, 
             await holder_client.aclose()
 
         loop.run_until_complete(teardown())
-        loop.close()
+        _shut_down(loop)
 
 
 async def _make_event() -> asyncio.Event:
@@ -171,8 +171,18 @@ def test_cancel_around_a_local_handoff_leaves_no_key(redis_server: Any, prefix: 
         assert outcomes["inside"] >= 10, outcomes
     finally:
         loop.run_until_complete(client.aclose())
-        loop.close()
+        _shut_down(loop)
 
 
 async def _queued(redis: Redis, key: str) -> bool:
     return bool(companion_for(redis).room.waiting(key + ":released"))
+
+
+def _shut_down(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left (asynclock's background tasks) and close, as asyncio.run does."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending))
+    loop.close()

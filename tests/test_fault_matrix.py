@@ -17,11 +17,13 @@ from typing import Any
 import anyio
 import pytest
 from figures import Figures
+from helpers import wait_until
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
 import asynclock
 from asynclock import LeaseEventKind, LeaseState, LockLost, LossReason
+from asynclock._connections import companion_for
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer
 
 
@@ -331,6 +333,53 @@ async def test_out_of_memory_refuses_acquire_but_held_leases_renew(
     finally:
         await client.config_set("maxmemory", "0")
         await client.aclose()
+
+
+async def test_out_of_memory_a_local_waiter_waits_and_is_handed_the_lock(
+    private_server: RedisServer, prefix: str
+):
+    """Out of memory under noeviction: a blocking waiter of the same client keeps waiting
+    (its registration as waiting is skipped, not fatal) and the holder's release hands it
+    the lock (the handoff script writes nothing that memory can refuse first)."""
+    client = Redis.from_url(private_server.url)
+    entered = asyncio.Event()
+    fences: list[int] = []
+
+    async def waiter() -> None:
+        async with asynclock.lease(client, "relay", ttl=5, prefix=prefix) as lock:
+            fences.append(lock.fencing_token)
+            entered.set()
+
+    try:
+        async with asynclock.lease(client, "relay", ttl=5, prefix=prefix) as first:
+            await client.config_set("maxmemory-policy", "noeviction")
+            await client.config_set("maxmemory", "2mb")
+            with pytest.raises(OutOfMemoryError):
+                for i in range(100_000):
+                    await client.set(f"{prefix}fill:{i}", "x" * 1000)
+            used = (await client.info("memory"))["used_memory"]
+            await client.config_set("maxmemory", used - 64 * 1024)
+            task = asyncio.create_task(waiter())
+            line = companion_for(client).room
+            channel = f"{prefix}{{relay}}:released"
+            # in line, its attempt answered "held" (its registration refused for memory)
+            await wait_until(
+                lambda: _true(line.waiting(channel) == 1 and line.registered(channel)),
+                what="the waiter's failed attempt",
+            )
+            assert not task.done()
+        async with asyncio.timeout(5):
+            await entered.wait()
+            await task
+        assert fences[0] > first.fencing_token
+        assert await client.exists(prefix + "{relay}") == 0
+    finally:
+        await client.config_set("maxmemory", "0")
+        await client.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def test_evicting_policy_is_warned_about_once(

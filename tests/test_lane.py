@@ -18,6 +18,11 @@ def _in_use(client: Redis) -> list[Any]:
     return list(client.connection_pool._get_in_use_connections())
 
 
+def _lane_held(client: Redis) -> list[Any]:
+    """The connections the lane has borrowed (their socket timeout is set aside)."""
+    return [c for c in _in_use(client) if c.socket_timeout is None]
+
+
 async def test_lane_connections_go_back_to_the_pool_with_their_timeout(
     make_client: Any, redis_server: Any, prefix: str
 ):
@@ -26,9 +31,7 @@ async def test_lane_connections_go_back_to_the_pool_with_their_timeout(
     client = make_client(socket_timeout=7.0)
     async with asynclock.lease(client, "lane", ttl=5, prefix=prefix):
         pass
-    held = _in_use(client)
-    assert len(held) == 1
-    assert held[0].socket_timeout is None
+    assert len(_lane_held(client)) == 1
     started = asyncio.get_running_loop().time()
     await wait_until(lambda: _none_in_use(client), limit=_LINGER * 5, what="the give-back")
     assert asyncio.get_running_loop().time() - started >= _LINGER * 0.5
@@ -60,7 +63,7 @@ async def test_lane_takes_at_most_a_quarter_of_a_small_pool(
 
     async with asyncio.timeout(20):
         await asyncio.gather(*(one(i) for i in range(50)))
-    assert len(_in_use(client)) <= 4
+    assert len(_lane_held(client)) <= 4
     assert await client.ping()  # the application still gets a connection
 
 
@@ -107,3 +110,36 @@ async def test_closing_the_client_closes_the_lane(private_server: RedisServer, p
         assert companion_for(client).lane is not None
     finally:
         await observer.aclose()
+
+
+async def test_a_pool_of_fewer_than_four_gets_no_lane(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """The lane takes a quarter of the pool at most: from a pool of 3, none at all."""
+    client = make_client(max_connections=3)
+    for _ in range(3):
+        async with asynclock.lease(client, "tiny", ttl=5, prefix=prefix):
+            assert companion_for(client).lane._held == 0
+    assert companion_for(client).lane._held == 0
+    await wait_until(lambda: _none_in_use(client), what="every connection back in the pool")
+
+
+async def test_lane_gives_its_connections_back_when_the_loop_shuts_down(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """The lane's keeper task is cancelled when the event loop shuts down (asyncio.run
+    cancels every task): it gives the borrowed connections back then, timeout restored,
+    so a loop that ends right after a lease leaves nothing borrowed from the pool."""
+    client = make_client(socket_timeout=7.0)
+    async with asynclock.lease(client, "short-lived", ttl=5, prefix=prefix):
+        pass
+    lane = companion_for(client).lane
+    keeper = lane._keeper
+    assert keeper is not None
+    assert len(_lane_held(client)) == 1
+    keeper.cancel()  # as asyncio.run does at shutdown
+    await asyncio.wait([keeper])
+    assert not _lane_held(client)
+    free = list(client.connection_pool._get_free_connections())
+    assert free
+    assert all(c.socket_timeout == 7.0 for c in free)

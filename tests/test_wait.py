@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 import asynclock
 from asynclock._connections import companion_for
-from asynclock._scripts import HANDOFF, RELEASE
+from asynclock._scripts import ACQUIRE, HANDOFF, RELEASE
 from asynclock.testing import RedisServer
 
 
@@ -259,3 +259,39 @@ async def test_a_waiter_in_another_client_is_not_starved_by_local_handoffs(
 
 async def _at_least(value: Any, n: int) -> bool:
     return bool(value() >= n)
+
+
+async def test_handoff_to_a_token_that_already_holds_the_key_renews_it(client: Redis, prefix: str):
+    """HANDOFF finding the key already held by the next holder's token (it took the key
+    by an attempt of its own, or a retry after our handoff landed) answers status 3 and
+    renews the key's expiry, so the releaser's send time is a valid start for it."""
+    key = f"{prefix}{{ready}}"
+    await client.set(key, "next0123:42", px=500)
+    reply = await HANDOFF(
+        client,
+        [key, key + ":fence", key + ":void:next0123", key + ":waiting"],
+        ["mine:41", "next0123", 30_000, 86_400_000, key + ":released", "origin", "drop", 61_000, 5],
+    )
+    assert [int(x) for x in reply] == [3, 42]  # type: ignore[attr-defined]
+    assert await client.pttl(key) > 29_000
+
+
+async def test_registration_lifetime_is_only_ever_extended(client: Redis, prefix: str):
+    """A failed attempt of a short-ttl client must not cut the waiting hash's expiry
+    below a long-ttl client's registration."""
+    key = f"{prefix}{{mixed}}"
+    await client.set(key, "holder:1", px=60_000)
+
+    async def failed_attempt(origin: str, register_ms: int) -> None:
+        keys = [key, key + ":fence", key + ":void:t" + origin, key + ":waiting"]
+        reply = await ACQUIRE(
+            client, keys, ["t" + origin, 1000, 86_400_000, origin, register_ms, ""]
+        )
+        assert int(reply[0]) == 0  # type: ignore[index]
+
+    await failed_attempt("long", 21_000)
+    await failed_attempt("short", 1_200)
+    assert await client.pttl(key + ":waiting") > 20_000
+    raw = await client.hkeys(key + ":waiting")
+    names = {n.decode() if isinstance(n, bytes) else n for n in raw}
+    assert names == {"long", "short"}
