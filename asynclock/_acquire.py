@@ -36,7 +36,14 @@ from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
 from ._shield import cancel_dropped, cancelling, finish
 from ._wakeup import Waiter
 
-__all__ = ["HANDOFF_PATIENCE_MS", "Acquisition", "Grant", "fence_ttl_ms", "register_ms"]
+__all__ = [
+    "HANDOFF_PATIENCE_MS",
+    "Acquisition",
+    "Grant",
+    "fence_ttl_ms",
+    "register_ms",
+    "unregister",
+]
 
 log = logging.getLogger("asynclock")
 
@@ -290,19 +297,7 @@ class Acquisition:
         return status, value, t_send
 
     async def _unregister(self) -> None:
-        """Our line gave up waiting: drop our client's registration as a waiter, so that
-        other clients' releasers hand the lock on within their own lines again without
-        standing back for us (best effort; it expires by itself otherwise)."""
-        options = self._options
-        companion = self._companion
-        command = companion.pack("HDEL", options.waiting_key, companion.room.origin)
-        companion.room.set_registered(options.channel, False)
-        try:
-            await finish(exchange(companion.client, command, 1), min(1.0, options.release_timeout))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.debug("asynclock: could not unregister a wait for %r: %r", options.name, exc)
+        await unregister(self._companion, self._options)
 
     async def _abandon(self) -> None:
         """Undo an attempt that may have landed, and stop it from landing later."""
@@ -343,3 +338,17 @@ async def _wait_event(event: asyncio.Event, limit: float | None) -> float | None
     except TimeoutError:
         return 0
     return None
+
+
+async def unregister(companion: Companion, options: LeaseOptions) -> None:
+    """Our line for the lock is empty: drop our client's registration as a waiter, so
+    that other clients' releasers hand the lock on within their own lines again without
+    standing back for us (best effort; it expires by itself otherwise)."""
+    command = companion.pack("HDEL", options.waiting_key, companion.room.origin)
+    companion.room.set_registered(options.channel, False)
+    try:
+        await finish(exchange(companion.client, command, 1), min(1.0, options.release_timeout))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.debug("asynclock: could not unregister a wait for %r: %r", options.name, exc)

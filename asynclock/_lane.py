@@ -27,7 +27,8 @@ import contextlib
 from typing import Any, Final
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError, ResponseError
 
 __all__ = ["Lane", "exchange"]
 
@@ -38,7 +39,7 @@ _LINGER: Final = 1.0  # seconds unused after which the lane gives its connection
 class Lane:
     """Connections borrowed from one client's pool for the hot path; see the design note."""
 
-    __slots__ = ("_held", "_idle", "_keeper", "_loop", "_size", "_used", "client")
+    __slots__ = ("_closing", "_held", "_idle", "_keeper", "_loop", "_size", "_used", "client")
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
@@ -47,6 +48,7 @@ class Lane:
         self._held = 0  # connections checked out by the lane, idle or busy
         self._used = 0.0  # loop time of the last call
         self._keeper: asyncio.Task[None] | None = None
+        self._closing = False  # set when the keeper is cancelled (the loop shuts down)
         limit = getattr(client.connection_pool, "max_connections", None) or _SIZE * 4
         self._size = min(_SIZE, int(limit) // 4)  # leave the application its pool (0: none)
 
@@ -65,8 +67,14 @@ class Lane:
         if self._idle:
             connection, saved = self._idle.pop()
         elif self._held < self._size:
-            async with asyncio.timeout_at(deadline):
-                connection, saved = await self._borrow()
+            # At most half of the caller's time goes to getting a connection (a blocking
+            # pool may make us wait); failing that, nothing was sent: the caller falls
+            # back to asynclock's own pool with the rest.
+            try:
+                async with asyncio.timeout_at(None if deadline is None else (now + deadline) / 2):
+                    connection, saved = await self._borrow()
+            except (RedisConnectionError, OSError, TimeoutError) as exc:
+                raise MaxConnectionsError(f"asynclock: no lane connection: {exc!r}") from exc
         else:  # every lane connection is busy (or none allowed): the ordinary way
             async with asyncio.timeout_at(deadline):
                 (reply,) = await exchange(self.client, packed, 1)
@@ -84,7 +92,10 @@ class Lane:
         except BaseException:
             await self._give_back(connection, saved)
             raise
-        self._idle.append((connection, saved))
+        if self._closing:  # the event loop is shutting down: nothing stays borrowed
+            await self._give_back(connection, saved)
+        else:
+            self._idle.append((connection, saved))
         return reply
 
     async def _borrow(self) -> tuple[Any, float | None]:
@@ -117,8 +128,13 @@ class Lane:
                 idle_for = self._loop.time() - self._used
                 if idle_for >= _LINGER and self._idle:
                     await self.aclose()
-                else:
-                    await asyncio.sleep(max(_LINGER - idle_for, 0.05))
+                elif self._idle:
+                    await asyncio.sleep(_LINGER - idle_for)
+                else:  # every borrowed connection is busy: look again a linger later
+                    await asyncio.sleep(_LINGER)
+        except asyncio.CancelledError:
+            self._closing = True  # calls still in flight give theirs back when done
+            raise
         finally:
             self._keeper = None
             with contextlib.suppress(Exception):

@@ -28,7 +28,7 @@ import anyio.lowlevel
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError
 
-from ._acquire import HANDOFF_PATIENCE_MS, Acquisition, fence_ttl_ms, register_ms
+from ._acquire import HANDOFF_PATIENCE_MS, Acquisition, fence_ttl_ms, register_ms, unregister
 from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
@@ -418,8 +418,11 @@ class LeaseContext:
         if successor is not None and (successor.offered or successor.grant is not None):
             successor = None
         t_offer = held._loop.time()
+        channel = self._options.channel
+        room = held._companion.room
         if successor is not None:
             successor.offered = True  # from now on the key may hold its token
+            room.set_registered(channel, True)  # HANDOFF may register us; replies refine it
         limit = self._options.release_timeout
         deadline = t_offer + limit
 
@@ -447,6 +450,8 @@ class LeaseContext:
                 held._lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
         elif released is not None:
             held._event(LeaseEventKind.RELEASED)
+        if successor is not None and not room.waiting(channel) and room.registered(channel):
+            room.in_background(unregister(held._companion, self._options))  # line emptied
         return released is _Outcome.CONTESTED
 
 

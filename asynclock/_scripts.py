@@ -250,9 +250,9 @@ HANDOFF = Script(
 --         {2, 0} when released as RELEASE does because another client's waiter is due,
 --         {4, 0} when released as RELEASE does because the next holder gave up,
 --         {0, 0} when the key was not ours
--- The first write of each branch deletes the key (DEL is never refused for memory), so
--- that under maxmemory (noeviction) the writes after it are not refused either: Redis
--- lets a script that has already written go on writing.
+-- Every branch writes first with a command that maxmemory never refuses (DEL, HDEL or
+-- PEXPIRE), so that under noeviction the writes after it are not refused either: Redis
+-- lets a script that has already written go on writing. (Script flags would end this.)
 local current = redis.call('GET', KEYS[1])
 local nextmine = ARGV[2] .. ':'
 if current and string.sub(current, 1, #nextmine) == nextmine then
@@ -284,7 +284,7 @@ local abandoned = redis.call('EXISTS', KEYS[3]) == 1
 if others or abandoned then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[5], ARGV[6])
-  if others or ARGV[7] == 'keep' then
+  if ARGV[7] == 'keep' or not abandoned then  -- someone of ours still waits
     register()
   else
     redis.call('HDEL', KEYS[4], ARGV[6])

@@ -82,6 +82,7 @@ class WaitingRoom:
         self._deferred: dict[str, asyncio.TimerHandle] = {}
         self._registered: set[str] = set()  # channels for which we may be registered waiting
         self._background: set[asyncio.Task[object]] = set()  # work made in passing
+        self._subscribing: asyncio.Task[object] | None = None  # (one of them)
 
     @property
     def open(self) -> bool:
@@ -151,8 +152,8 @@ class WaitingRoom:
         lock on by handoffs alone never had a failed attempt that subscribed)."""
         if channel not in self._confirmed or not self._healthy:
             self.wake(channel)
-            if not self._background:
-                self.in_background(self.subscribe(channel))
+            if self._subscribing is None or self._subscribing.done():
+                self._subscribing = self.in_background(self.subscribe(channel))
             return
         earlier = self._deferred.pop(channel, None)
         if earlier is not None:
@@ -160,11 +161,12 @@ class WaitingRoom:
         loop = asyncio.get_running_loop()
         self._deferred[channel] = loop.call_later(_YIELD, self._wake_deferred, channel)
 
-    def in_background(self, work: Coroutine[Any, Any, object]) -> None:
+    def in_background(self, work: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         """Run ``work`` as a task of this room's, cancelled if the room is closed first."""
         task = asyncio.get_running_loop().create_task(work, name="asynclock-background")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _wake_deferred(self, channel: str) -> None:
         if self._deferred.pop(channel, None) is not None:

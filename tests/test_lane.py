@@ -18,6 +18,20 @@ def _in_use(client: Redis) -> list[Any]:
     return list(client.connection_pool._get_in_use_connections())
 
 
+async def _warm(client: Redis, prefix: str) -> None:
+    """One lease first, and its one-time eviction-policy check finished: while that check
+    runs, the end of a lease closes asynclock's side connections (the lane's included)."""
+    async with asynclock.lease(client, "warm-up", ttl=5, prefix=prefix):
+        pass
+    companion = companion_for(client)
+
+    async def checked() -> bool:
+        check = companion._eviction_check
+        return check is not None and check.done()
+
+    await wait_until(checked, what="the eviction-policy check")
+
+
 def _lane_held(client: Redis) -> list[Any]:
     """The connections the lane has borrowed (their socket timeout is set aside)."""
     return [c for c in _in_use(client) if c.socket_timeout is None]
@@ -29,6 +43,7 @@ async def test_lane_connections_go_back_to_the_pool_with_their_timeout(
     """After a lease the lane keeps a connection for the next one, with its socket timeout
     set aside; once unused for a while it gives it back, timeout restored."""
     client = make_client(socket_timeout=7.0)
+    await _warm(client, prefix)
     async with asynclock.lease(client, "lane", ttl=5, prefix=prefix):
         pass
     assert len(_lane_held(client)) == 1
@@ -75,9 +90,10 @@ async def test_idle_lane_connection_killed_by_the_server_is_replaced(
     client = Redis.from_url(private_server.url)
     observer = Redis.from_url(private_server.url)
     try:
+        await _warm(client, prefix)
         async with asynclock.lease(client, "killed", ttl=5, prefix=prefix):
             pass
-        assert _in_use(client)
+        assert _lane_held(client)
         await observer.client_setname("observer")
         for entry in await observer.client_list():
             if entry.get("name") != "observer":
@@ -100,9 +116,10 @@ async def test_closing_the_client_closes_the_lane(private_server: RedisServer, p
     client = Redis.from_url(private_server.url)
     observer = Redis.from_url(private_server.url)
     try:
+        await _warm(client, prefix)
         async with asynclock.lease(client, "closing", ttl=5, prefix=prefix):
             pass
-        held = _in_use(client)
+        held = _lane_held(client)
         assert held
         assert all(c.is_connected for c in held)
         await client.aclose()
@@ -131,6 +148,7 @@ async def test_lane_gives_its_connections_back_when_the_loop_shuts_down(
     cancels every task): it gives the borrowed connections back then, timeout restored,
     so a loop that ends right after a lease leaves nothing borrowed from the pool."""
     client = make_client(socket_timeout=7.0)
+    await _warm(client, prefix)
     async with asynclock.lease(client, "short-lived", ttl=5, prefix=prefix):
         pass
     lane = companion_for(client).lane
