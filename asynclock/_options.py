@@ -113,38 +113,19 @@ class LeaseOptions:
         return t_send + self.ttl - drift_for(self.ttl)
 
     @classmethod
-    def cached(
-        cls,
-        redis: object,
-        name: object,
-        *,
-        ttl: object,
-        blocking: object,
-        blocking_timeout: object,
-        release_timeout: object,
-        prefix: object,
-    ) -> LeaseOptions:
-        """:meth:`build`, or the options already built from the same arguments: code that
-        takes the same lock again and again validates its arguments once. The arguments'
-        types are part of the key (``ttl=True`` must not pass for ``ttl=1``)."""
+    def cached(cls, redis: object, name: object, **settings: object) -> LeaseOptions:
+        """:meth:`build` (same arguments), or the options already built from equal ones:
+        code that takes the same lock again and again validates its arguments once. The
+        arguments' types are part of the key (``ttl=True`` must not pass for ``ttl=1``)."""
+        key: tuple[object, ...] | None = None
         if type(redis) in _CLIENT_TYPES:
-            arguments = (name, ttl, blocking, blocking_timeout, release_timeout, prefix)
-            key = (*arguments, *map(type, arguments))
+            values = (name, *settings.values())
+            key = (*settings, *values, *map(type, values))
             try:
                 return _BUILT[key]
             except (KeyError, TypeError):  # (TypeError: an unhashable argument)
                 pass
-        else:
-            key = None
-        options = cls.build(
-            redis,
-            name,
-            ttl=ttl,
-            blocking=blocking,
-            blocking_timeout=blocking_timeout,
-            release_timeout=release_timeout,
-            prefix=prefix,
-        )
+        options = cls.build(redis, name, **settings)
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:
                 _BUILT.clear()

@@ -129,6 +129,17 @@ async def run_idempotent(
         return await script(fallback(), keys, args)
 
 
+_MINT_FENCE = """
+-- (shared) the next fencing token: max(last + 1, server TIME in microseconds), from the
+-- TIME reply `t` and the counter at KEYS[2]; `text` is it as a decimal string
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local last = tonumber(redis.call('GET', KEYS[2]))
+if last and last >= fence then
+  fence = last + 1
+end
+local text = string.format('%d', fence)
+"""
+
 ACQUIRE = Script(
     "acquire",
     """
@@ -187,13 +198,9 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
   return {-1, 0}
 end
 local t = redis.call('TIME')
-local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('GET', KEYS[2]))
-if last and last >= fence then
-  fence = last + 1
-end
-local text = string.format('%d', fence)
-redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+"""
+    + _MINT_FENCE
+    + """redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
 on_success()
 return {1, fence}
@@ -291,13 +298,9 @@ if others or abandoned then
   end
   return {abandoned and not others and 4 or 2, 0}
 end
-local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('GET', KEYS[2]))
-if last and last >= fence then
-  fence = last + 1
-end
-local text = string.format('%d', fence)
-redis.call('DEL', KEYS[1])  -- (a write that maxmemory does not refuse; see above)
+"""
+    + _MINT_FENCE
+    + """redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
 redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
 if ARGV[7] == 'keep' then
