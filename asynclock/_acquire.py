@@ -188,9 +188,9 @@ class Acquisition:
                 # Our line is empty: drop our registration as waiting. After a handoff
                 # (decided when it was sent) this goes on in the background.
                 if granted is None:
-                    await self._unregister()
+                    await unregister(self._companion, options)
                 else:
-                    room.in_background(self._unregister())
+                    room.in_background(unregister(self._companion, options))
 
     def _fallback(self, pttl_ms: int) -> float:
         """Seconds to wait before trying again without a notification."""
@@ -295,9 +295,6 @@ class Acquisition:
         if waiting:
             room.set_registered(channel, on_success == "keep" if status == 1 else True)
         return status, value, t_send
-
-    async def _unregister(self) -> None:
-        await unregister(self._companion, self._options)
 
     async def _abandon(self) -> None:
         """Undo an attempt that may have landed, and stop it from landing later."""
