@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ._lane import Lane
-from ._scripts import encoding_of, pack
+from ._scripts import encoding_of, pack, pack_args
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
@@ -113,6 +113,11 @@ class Companion:
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
         return pack(args, *encoding_of(self.client))
+
+    def pack_args(self, *args: str | int) -> bytes:
+        """Arguments of a command in RESP, encoded as this client's connections would
+        encode them (without the header that counts them)."""
+        return pack_args(args, *encoding_of(self.client))
 
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""

@@ -33,7 +33,16 @@ from ._connections import Companion, companion_for
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
-from ._scripts import HANDOFF, RELEASE, RENEW, UNKNOWN_OUTCOME, Arg, Script, run_idempotent
+from ._scripts import (
+    HANDOFF,
+    RELEASE,
+    RENEW,
+    UNKNOWN_OUTCOME,
+    Arg,
+    Script,
+    run_idempotent,
+    unpack_arg,
+)
 from ._shield import cancel_dropped, cancelling, finish, finish_idempotent
 from ._wakeup import Waiter
 from ._watchdog import report_stall
@@ -80,11 +89,9 @@ class Lease:
         "_due",
         "_hook",
         "_last_send",
-        "_loop",
         "_lost_cause",
         "_lost_reason",
         "_options",
-        "_renew_packed",
         "_safe_until",
         "_scope",
         "_state",
@@ -103,11 +110,12 @@ class Lease:
     ) -> None:
         self._options = options
         self._companion = companion
-        self._loop = companion.loop
         self._hook = hook
         self.fencing_token: Final = fencing_token
         """Strictly greater than every fencing token issued before for this name."""
-        self._value = f"{token}:{fencing_token}"  # (the token is kept only in here)
+        # The key's value, "<token>:<fencing token>" (the token is kept only in here).
+        # Packed into the renew command's arguments at the first renewal (see _renew_tail).
+        self._value: str | bytes = f"{token}:{fencing_token}"
         self._last_send = t_send
         self._safe_until = options.safe_until(t_send)
         self._state = LeaseState.HELD
@@ -116,7 +124,6 @@ class Lease:
         self._scope: anyio.CancelScope | None = None
         self._due: float | None = None  # when the watchdog renews next (loop time)
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
-        self._renew_packed: bytes | None = None  # the renew command, packed at first use
         self._closing = False
 
     # -- what the holder sees -----------------------------------------------------------
@@ -124,7 +131,7 @@ class Lease:
     @property
     def token(self) -> str:
         """The random token (128 bits, hex) identifying this lease in Redis."""
-        return self._value.partition(":")[0]
+        return self._owner().partition(":")[0]
 
     @property
     def name(self) -> str:
@@ -160,7 +167,7 @@ class Lease:
         """Seconds left before the safe deadline; 0.0 once lost, released or past it."""
         if self._state not in _ACTIVE:
             return 0.0
-        return max(0.0, self._safe_until - self._loop.time())
+        return max(0.0, self._safe_until - self._companion.loop.time())
 
     async def is_held(self, verify: bool = False) -> bool:
         """Whether the lease is still held. Always a checkpoint (cancellation lands here).
@@ -185,7 +192,7 @@ class Lease:
             value = await run_idempotent(_GET, companion.client, companion.overflow, [self.key], [])
         if cancel_dropped(before):
             raise asyncio.CancelledError
-        if _text(value) != self._value:
+        if _text(value) != self._owner():
             self._lose(LossReason.NOT_OWNER)
             return False
         return self._held_locally()
@@ -223,7 +230,14 @@ class Lease:
         return self._state in _ACTIVE
 
     def _held_locally(self) -> bool:
-        return self._state in _ACTIVE and self._loop.time() < self._safe_until
+        return self._state in _ACTIVE and self._companion.loop.time() < self._safe_until
+
+    def _owner(self) -> str:
+        """The key's value while we own it: ``<token>:<fencing token>``."""
+        value = self._value
+        if isinstance(value, bytes):
+            return unpack_arg(value, 1).decode("ascii")
+        return value
 
     def _loss_error(self) -> LockLost:
         reason = self._lost_reason or LossReason.DEADLINE
@@ -232,22 +246,26 @@ class Lease:
     def _event(self, kind: LeaseEventKind, detail: str = "") -> None:
         if self._hook is not None:
             event = LeaseEvent(
-                kind, self.name, self.fencing_token, self._loop.time(), self._safe_until, detail
+                kind,
+                self.name,
+                self.fencing_token,
+                self._companion.loop.time(),
+                self._safe_until,
+                detail,
             )
             emit(self._hook, event)
 
     def _start(self, scope: anyio.CancelScope) -> None:
-        """Arm the deadline timer and schedule the first renewal (no await in between)."""
+        """Schedule the first renewal, which also watches the deadline (no await in
+        between)."""
         self._scope = scope
-        watchdog = self._companion.watchdog
-        watchdog.watch_deadline(self)
-        watchdog.schedule(self, self._last_send + self.ttl / 3)
+        self._companion.watchdog.schedule(self, self._last_send + self.ttl / 3)
 
     def _on_deadline(self) -> None:
-        """Called by the watchdog's deadline timer once ``safe_until`` has passed."""
+        """Called by the watchdog once ``safe_until`` has passed."""
         if self._state not in _ACTIVE or self._closing:
             return  # ended, or the block finished in time and is being released
-        report_stall(self, self._safe_until, self._loop.time(), "the deadline")
+        report_stall(self, self._safe_until, self._companion.loop.time(), "the deadline")
         self._lose(LossReason.DEADLINE, self._lost_cause)
 
     async def _renew_once(self, limit: float) -> bool:
@@ -257,21 +275,24 @@ class Lease:
         timeout error when the outcome is unknown.
         """
         client = self._companion.renewer()
-        t_send = self._loop.time()
+        t_send = self._companion.loop.time()
         async with asyncio.timeout(limit):
-            reply = await RENEW(client, [self.key], [self._value, self._options.ttl_ms])
+            reply = await RENEW(client, [self.key], [self._owner(), self._options.ttl_ms])
         if reply != 1:
             self._lose(LossReason.NOT_OWNER)
             return False
         return self._confirm(t_send)
 
-    def _confirm(self, t_send: float) -> bool:
+    def _confirm(self, t_send: float, safe_until: float | None = None) -> bool:
+        """A renewal sent at ``t_send`` was confirmed (``safe_until`` is its new deadline,
+        when the caller has computed it). Returns False if the lease is (now) lost."""
         if self._state not in _ACTIVE:
             return False
-        if self._loop.time() >= self._safe_until:
+        if self._companion.loop.time() >= self._safe_until:
             self._lose(LossReason.DEADLINE, self._lost_cause)
             return False
-        safe_until = self._options.safe_until(t_send)
+        if safe_until is None:
+            safe_until = self._options.safe_until(t_send)
         if safe_until > self._safe_until:
             self._safe_until = safe_until  # the deadline timer looks again when it fires
             self._last_send = t_send
@@ -280,14 +301,16 @@ class Lease:
         self._event(LeaseEventKind.RENEWED)
         return True
 
-    def _renew_command(self) -> bytes:
-        """The RENEW script call of this lease in RESP (it never changes)."""
-        if self._renew_packed is None:
-            options = self._options
-            self._renew_packed = self._companion.pack(
-                "EVALSHA", RENEW.sha, 1, options.key, self._value, options.ttl_ms
-            )
-        return self._renew_packed
+    def _renew_tail(self) -> bytes:
+        """The arguments of this lease's RENEW call in RESP: key, value, ttl in ms (they
+        never change). Packed at the first renewal; from then on they are the only copy
+        of the value (see ``_owner``), which keeps a held lease small."""
+        value = self._value
+        if isinstance(value, bytes):
+            return value
+        options = self._options
+        self._value = packed = self._companion.pack_args(options.key, value, options.ttl_ms)
+        return packed
 
     def _renewal_refused(self) -> None:
         self._lose(LossReason.NOT_OWNER)
@@ -308,8 +331,8 @@ class Lease:
         self._state = LeaseState.LOST
         self._lost_reason = reason
         self._lost_cause = cause
-        if self._scope is not None:
-            self._scope.cancel()
+        if self._scope is not None and not self._closing:
+            self._scope.cancel()  # (once the block is exiting, nothing is left to cancel)
         log.warning("asynclock: lease %r lost: %s", self.name, reason.value)
         self._event(LeaseEventKind.LOST, reason.value)
 
@@ -321,21 +344,20 @@ class Lease:
 class LeaseContext:
     """The async context manager returned by :func:`lease`; single use."""
 
-    __slots__ = ("_entered", "_hook", "_lease", "_options", "_redis", "_scope")
+    __slots__ = ("_hook", "_lease", "_options", "_redis")
 
     def __init__(self, redis: Redis, options: LeaseOptions, hook: EventHook | None) -> None:
-        self._redis = redis
+        self._redis: Redis | None = redis  # None once entered
         self._options = options
         self._hook = hook
-        self._entered = False
         self._lease: Lease | None = None
-        self._scope: anyio.CancelScope | None = None
 
     async def __aenter__(self) -> Lease:
-        if self._entered:
+        redis = self._redis
+        if redis is None:
             raise RuntimeError("a lease() context manager can be entered only once")
-        self._entered = True
-        companion = companion_for(self._redis)
+        self._redis = None
+        companion = companion_for(redis)
         companion.retain()
         companion.check_eviction_once()
         try:
@@ -347,9 +369,9 @@ class LeaseContext:
             self._options, companion, grant.token, grant.fencing_token, grant.t_send, self._hook
         )
         self._lease = held
-        self._scope = companion.cancel_scope()
-        self._scope.__enter__()
-        held._start(self._scope)
+        scope = companion.cancel_scope()
+        scope.__enter__()
+        held._start(scope)
         held._event(LeaseEventKind.ACQUIRED)
         return held
 
@@ -359,10 +381,11 @@ class LeaseContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        held, scope = self._lease, self._scope
+        held = self._lease
+        scope = None if held is None or held._closing else held._scope
         if held is None or scope is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
-        held._scope = None  # from here on a loss can no longer cancel the block
+        held._closing = True  # from here on a loss can no longer cancel the block
         # Usually the release runs inside the block's own scope, made a shield (it is the
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
         # the block (the lease was lost) is left first, since it would cancel the release.
@@ -409,7 +432,6 @@ class LeaseContext:
         is not waited for: the renew script is owner-checked, so landing after the
         release it changes nothing, and its reply is ignored once the lease is closing.
         """
-        held._closing = True
         if held.lost_reason is LossReason.NOT_OWNER:
             return False  # the key is known not to be ours
         runs = 0
@@ -417,7 +439,7 @@ class LeaseContext:
         successor = held._companion.room.head(self._options.channel)
         if successor is not None and (successor.offered or successor.grant is not None):
             successor = None
-        t_offer = held._loop.time()
+        t_offer = held._companion.loop.time()
         channel = self._options.channel
         room = held._companion.room
         if successor is not None:
@@ -483,7 +505,7 @@ async def _release(
     if successor is None:
         script = RELEASE
         keys = [options.key]
-        args: list[Arg] = [held._value, options.channel, companion.room.origin]
+        args: list[Arg] = [held._owner(), options.channel, companion.room.origin]
     else:
         script = HANDOFF
         keys = [
@@ -493,7 +515,7 @@ async def _release(
             options.waiting_key,
         ]
         args = [
-            held._value,
+            held._owner(),
             successor.token,
             successor.ttl_ms,
             fence_ttl_ms(successor.ttl_ms),

@@ -42,7 +42,9 @@ __all__ = [
     "Script",
     "encoding_of",
     "pack",
+    "pack_args",
     "run_idempotent",
+    "unpack_arg",
 ]
 
 log = logging.getLogger("asynclock")
@@ -55,11 +57,27 @@ UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutErro
 
 def pack(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """One command in RESP, its arguments encoded as redis-py would encode them."""
-    parts = [b"*%d\r\n" % len(args)]
+    return b"*%d\r\n%s" % (len(args), pack_args(args, encoding, errors))
+
+
+def pack_args(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    """Arguments of a command in RESP, without the header that counts them."""
+    parts = []
     for arg in args:
         data = arg if isinstance(arg, bytes) else str(arg).encode(encoding, errors)
         parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(parts)
+
+
+def unpack_arg(packed: bytes, index: int) -> bytes:
+    """Argument ``index`` (from 0) of arguments packed by :func:`pack_args`."""
+    start = 0
+    while True:
+        end = packed.index(b"\r\n", start)
+        size = int(packed[start + 1 : end])
+        if index == 0:
+            return packed[end + 2 : end + 2 + size]
+        start, index = end + 2 + size + 2, index - 1
 
 
 def encoding_of(client: Redis) -> tuple[str, str]:

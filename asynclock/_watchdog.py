@@ -10,12 +10,15 @@ to confirm a renewal: a slow or failed attempt is retried, with a short backoff,
 time remains. Each attempt has its own time limit (at most ttl/3, never past the
 deadline), so one hung connection cannot hold a renewal past the deadline.
 
-The watchdog does not declare the deadline loss itself: a loop timer armed at
-``safe_until`` does (see ``Lease._arm``), so the body is cancelled at the deadline even
-while a renewal command is still in flight. A reply of 0 means the key no longer holds
-our token: lost at once, no retry can bring it back. Any other failure (timeout,
-connection error, a failover's READONLY/LOADING) leaves the outcome unknown: the lease
-turns SUSPECT and its deadline does not move.
+The deadline needs no timer of its own. At every moment a held lease is either waiting
+on the timeline (for its next renewal, its next retry, or, when no retry fits before the
+deadline, for ``safe_until`` itself), or in a renewal in flight, whose time limit ends
+at the earliest ``safe_until`` of its batch. Whichever comes up first at ``safe_until``
+declares the loss, so the body is cancelled at the deadline even while a renewal command
+is still in flight. A reply of 0 means the key no longer holds our token: lost at once,
+no retry can bring it back. Any other failure (timeout, connection error, a failover's
+READONLY/LOADING) leaves the outcome unknown: the lease turns SUSPECT and its deadline
+does not move.
 
 One :class:`Watchdog` serves every lease of a client (per event loop): a single loop
 timer fires when the earliest renewal is due, and every renewal due within a few
@@ -23,7 +26,9 @@ milliseconds travels in one pipeline on the client's dedicated renewal connectio
 keeps its own schedule, deadline and outcome; coalescing only changes how the commands
 travel, so ten thousand leases cost one task and a pipeline per tick, not ten thousand
 tasks, and nothing runs between renewals. Each batch runs as a task of its own, so one
-hung batch cannot delay the next.
+hung batch cannot delay the next. The leases a batch renewed are due again together, so
+they go back on the timeline as one entry: a held lease costs the timeline a list slot,
+not an entry of its own.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from ._lane import exchange
-from ._scripts import RENEW
+from ._scripts import RENEW, pack_args
 
 if TYPE_CHECKING:
     from ._lease import Lease
@@ -80,10 +85,9 @@ class Watchdog:
     def __init__(self, loop: asyncio.AbstractEventLoop, renewer: Callable[[], Redis]) -> None:
         self._loop = loop
         self._renewer = renewer
-        self._order = itertools.count()
-        self._due = _Timeline(loop, self._fire)  # when each lease renews next
-        self._deadlines = _Timeline(loop, self._check_deadlines)  # each lease's safe_until
+        self._timeline = _Timeline(loop, self._fire)
         self._batches: set[asyncio.Task[None]] = set()
+        self._head = b"*6\r\n" + pack_args(("EVALSHA", RENEW.sha, 1))  # + key, value, ttl
 
     @property
     def running(self) -> bool:
@@ -91,27 +95,18 @@ class Watchdog:
         return bool(self._batches)
 
     def schedule(self, lease: Lease, due: float) -> None:
-        """Renew ``lease`` at loop time ``due`` (replacing any earlier schedule of it)."""
+        """Look at ``lease`` at loop time ``due``: renew it then, or declare it lost if its
+        ``safe_until`` has passed by then. Only for a lease not already waiting."""
         lease._due = due
-        self._due.add(due, next(self._order), lease)
-
-    def watch_deadline(self, lease: Lease) -> None:
-        """Call ``lease._on_deadline()`` once its ``safe_until`` has passed.
-
-        One entry per lease: when it comes up and the lease was renewed meanwhile, it is
-        put back at the new ``safe_until``; a renewal costs no timer of its own.
-        """
-        self._deadlines.add(lease.safe_until, next(self._order), lease)
+        self._timeline.add(due, [lease])
 
     def idle(self) -> None:
         """No lease of the client is held any more: forget every schedule."""
-        self._due.clear()
-        self._deadlines.clear()
+        self._timeline.clear()
 
     async def aclose(self) -> None:
         """Stop renewing and wait for renewals in flight to be cancelled."""
-        self._due.cancel()
-        self._deadlines.cancel()
+        self._timeline.cancel()
         batches = list(self._batches)
         for task in batches:
             task.cancel()
@@ -119,35 +114,38 @@ class Watchdog:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _check_deadlines(self, now: float) -> None:
-        timeline = self._deadlines
-        while timeline.entries and timeline.entries[0][0] <= now:
-            _, _, lease = heapq.heappop(timeline.entries)
-            if lease._state_active:
-                if lease.safe_until > now:
-                    timeline.entries_push(lease.safe_until, next(self._order), lease)
-                else:
-                    lease._on_deadline()
-        timeline.rearm(now)
-
     def _fire(self, now: float) -> None:
-        """The earliest renewal is due: send every renewal due within the window."""
-        timeline = self._due
+        """The earliest entry is due: send every renewal due within the window, and
+        declare lost every lease whose deadline has come."""
+        timeline = self._timeline
+        entries = timeline.entries
         batch: list[Lease] = []
+        early: list[Lease] = []  # deadline checks that came up a hair before the deadline
         window = 0.0
-        while timeline.entries:
-            due, _, lease = timeline.entries[0]
-            if lease._due != due or not lease._active:
-                heapq.heappop(timeline.entries)  # a stale entry, or an ended lease
-                continue
+        while entries and len(batch) < _BATCH:
+            due, _, group = entries[0]
             if not batch:
-                window = min(_WINDOW, lease.ttl / 30)
-            if due > now + window or len(batch) >= _BATCH:
+                window = min(_WINDOW, group[0].ttl / 30)  # (a group shares one ttl)
+            if due > now + window:
                 break
-            heapq.heappop(timeline.entries)
-            lease._due = None
-            report_stall(lease, due, now, "the renewal")
-            batch.append(lease)
+            heapq.heappop(entries)
+            for i, lease in enumerate(group):
+                if lease._due is not due or not lease._active:
+                    continue  # rescheduled since, or ended (the lease's own float marks it)
+                if len(batch) >= _BATCH:
+                    timeline.push(due, group[i:])  # the rest goes in the next batch
+                    break
+                lease._due = None
+                if lease._safe_until <= now:
+                    lease._on_deadline()
+                elif due >= lease._safe_until:
+                    early.append(lease)  # a deadline check, not a renewal: not yet
+                else:
+                    report_stall(lease, due, now, "the renewal")
+                    batch.append(lease)
+        for lease in early:
+            lease._due = lease._safe_until
+            timeline.push(lease._due, [lease])
         timeline.rearm(now)
         if batch:
             task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
@@ -168,28 +166,48 @@ class Watchdog:
             for lease in batch:
                 lease._fail(exc)
             return
+        # Renewed leases are due again together: one timeline entry per ttl, one float
+        # per ttl for the new deadline and the next due time.
+        renewed: dict[float, tuple[float, list[Lease]]] = {}
         for lease, reply in zip(batch, replies, strict=True):
             if not lease._active:
                 continue
             if isinstance(reply, BaseException):
                 self._retry(lease, reply)
             elif reply == 1:
-                if lease._confirm(t_send):
+                ttl = lease.ttl
+                found = renewed.get(ttl)
+                if found is None:
+                    found = renewed[ttl] = (lease._options.safe_until(t_send), [])
+                if lease._confirm(t_send, found[0]):
                     lease._backoff = None
-                    self.schedule(lease, lease._last_send + lease.ttl / 3)
+                    found[1].append(lease)
             else:
                 lease._renewal_refused()
+        for ttl, (_, leases) in renewed.items():
+            if leases:
+                self._schedule_group(leases, t_send + ttl / 3)
+
+    def _schedule_group(self, leases: list[Lease], due: float) -> None:
+        for lease in leases:
+            lease._due = due
+        self._timeline.add(due, leases)
 
     async def _send(self, batch: list[Lease]) -> tuple[float, list[object]]:
         """Send the batch's renewals in one write; returns t_send and a reply (or the
-        per-command error) per lease. Raises on a connection error or the time limit."""
+        per-command error) per lease. Raises on a connection error, or TimeoutError at
+        the batch's earliest deadline (or ttl/3 after sending, if sooner)."""
         loop = self._loop
         t_send = loop.time()
-        earliest = min(lease.safe_until for lease in batch)
-        limit = min(earliest - t_send, min(lease.ttl for lease in batch) / 3)
+        earliest = min(lease._safe_until for lease in batch)
+        limit_at = min(earliest, t_send + min(lease.ttl for lease in batch) / 3)
         client = self._renewer()
-        packed = b"".join(lease._renew_command() for lease in batch)
-        async with asyncio.timeout(max(limit, 0.0)):
+        head = self._head
+        parts: list[bytes] = []
+        for lease in batch:
+            parts += (head, lease._renew_tail())
+        packed = b"".join(parts)
+        async with asyncio.timeout_at(limit_at):
             replies = await exchange(client, packed, len(batch))
             if any(isinstance(r, NoScriptError) for r in replies):
                 # A restarted or failed-over server forgot the script: load it, send again.
@@ -199,38 +217,44 @@ class Watchdog:
         return t_send, replies
 
     def _retry(self, lease: Lease, error: BaseException) -> None:
-        """The outcome is unknown: SUSPECT, and try again shortly while time remains."""
+        """The outcome is unknown: SUSPECT, and try again shortly while time remains; with
+        no time left for a retry, wait for the deadline itself."""
         if not lease._active:
+            return
+        now = self._loop.time()
+        if now >= lease._safe_until:
+            lease._lost_cause = error
+            lease._on_deadline()
             return
         lease._suspect(error)
         backoff = lease._backoff or min(lease.ttl / 30, 0.05)
         lease._backoff = min(backoff * 2, lease.ttl / 10, 1.0)
         pause = backoff * random.uniform(0.5, 1.0)
-        retry_at = self._loop.time() + pause
-        if retry_at < lease.safe_until:
-            self.schedule(lease, retry_at)
+        self.schedule(lease, min(now + pause, lease._safe_until))
 
 
 class _Timeline:
-    """A heap of (loop time, tie-breaker, lease) with one loop timer for its earliest entry."""
+    """A heap of (loop time, tie-breaker, leases due then) with one loop timer for its
+    earliest entry."""
 
-    __slots__ = ("_at", "_callback", "_loop", "_timer", "entries")
+    __slots__ = ("_at", "_callback", "_loop", "_order", "_timer", "entries")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[float], None]) -> None:
         self._loop = loop
         self._callback = callback
         self._timer: asyncio.TimerHandle | None = None
         self._at = math.inf
-        self.entries: list[tuple[float, int, Lease]] = []
+        self._order = itertools.count()
+        self.entries: list[tuple[float, int, list[Lease]]] = []
 
-    def add(self, at: float, order: int, lease: Lease) -> None:
-        heapq.heappush(self.entries, (at, order, lease))
+    def add(self, at: float, leases: list[Lease]) -> None:
+        heapq.heappush(self.entries, (at, next(self._order), leases))
         if at < self._at:
             self._arm(at)
 
-    def entries_push(self, at: float, order: int, lease: Lease) -> None:
+    def push(self, at: float, leases: list[Lease]) -> None:
         """Add without arming (the callback re-arms when it is done)."""
-        heapq.heappush(self.entries, (at, order, lease))
+        heapq.heappush(self.entries, (at, next(self._order), leases))
 
     def rearm(self, now: float) -> None:
         if self.entries:
