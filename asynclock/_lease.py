@@ -294,7 +294,7 @@ class Lease:
         if safe_until is None:
             safe_until = self._options.safe_until(t_send)
         if safe_until > self._safe_until:
-            self._safe_until = safe_until  # the deadline timer looks again when it fires
+            self._safe_until = safe_until  # (the watchdog reads it when it looks next)
             self._last_send = t_send
         self._state = LeaseState.HELD
         self._lost_cause = None

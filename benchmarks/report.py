@@ -244,6 +244,7 @@ COLUMNS: dict[str, list[Column]] = {
         ("us_per_renewal", "CPU per renewal", us),
         ("renewals_per_s", "renewals/s", rate),
         ("kib_per_lease", "RSS per lease", kib),
+        ("kib_beyond_tasks", "RSS per lease beyond the caller's task", kib),
         ("lost", "lost", plain),
         ("acquire_s", "time to acquire all", secs),
         ("clients", "server connections", plain),
@@ -292,7 +293,13 @@ EXPLAIN: dict[str, str] = {
         "from /proc/self/statm. Lost = max(leases the peer reported lost, keys gone at the end). "
         "Renewal periods differ: asynclock and the pipelined renewer renew every ttl/3, "
         "aioredlock every 0.6 x ttl, so its CPU share covers fewer renewals; compare the "
-        "CPU per renewal."
+        "CPU per renewal. asynclock holds a lease only inside a task of the caller's (an "
+        "`async with` block), so its RSS per lease includes that task, which any worker "
+        "doing the guarded work would have anyway; aioredlock and the pipelined renewer hold "
+        "leases without one. *RSS per lease beyond the caller's task* subtracts the RSS per "
+        "task of the same holder tasks without a lease, measured in another fresh child; "
+        "for the peers that need no task it is their RSS per lease. It is reported, not a "
+        "target: the target compares the whole figures."
     ),
     "burst": (
         "All leases (distinct names) are requested at once from one client built with the "

@@ -113,6 +113,65 @@ async def test_short_lease_is_kept_by_renewals(client: Redis, make_client: Any, 
     assert lock.state is LeaseState.RELEASED
 
 
+async def test_many_leases_are_renewed_in_bounded_batches(
+    client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """3: leases due together are renewed together, in batches of at most the batch limit
+    (4 here, so groups of leases are split); every lease keeps being renewed, and one
+    leaving early stops only its own renewals."""
+    import asynclock._watchdog as watchdog
+
+    monkeypatch.setattr(watchdog, "_BATCH", 4)
+    sizes: list[int] = []
+    real_exchange = watchdog.exchange
+
+    async def counting(target: Any, packed: bytes, count: int) -> list[object]:
+        sizes.append(count)
+        return await real_exchange(target, packed, count)
+
+    monkeypatch.setattr(watchdog, "exchange", counting)
+    ttl = 0.3
+    renewed: dict[str, int] = {}
+    lost: list[str] = []
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        if event.kind is LeaseEventKind.RENEWED:
+            renewed[event.name] = renewed.get(event.name, 0) + 1
+        elif event.kind is LeaseEventKind.LOST:
+            lost.append(event.name)
+
+    names = [f"many-{i}" for i in range(11)]
+    leave = {name: asyncio.Event() for name in names}
+    entered: list[asynclock.Lease] = []
+
+    async def hold(name: str) -> None:
+        async with asynclock.lease(client, name, ttl=ttl, prefix=prefix, on_event=on_event) as lock:
+            entered.append(lock)
+            await leave[name].wait()
+
+    async with asyncio.TaskGroup() as tg:
+        for name in names:
+            tg.create_task(hold(name))
+        await asyncio.sleep(1.2)  # about 12 renewals each
+        leave[names[0]].set()
+        await asyncio.sleep(0.1)
+        at_leaving = dict(renewed)
+        await asyncio.sleep(0.6)
+        for lock in entered:
+            if lock.name != names[0]:
+                assert lock.state in (LeaseState.HELD, LeaseState.SUSPECT)
+                assert 0 < await client.pttl(lock.key) <= 300
+        for event in leave.values():
+            event.set()
+    assert not lost
+    assert max(sizes) <= 4
+    assert sum(sizes) == sum(renewed.values())
+    assert renewed[names[0]] == at_leaving[names[0]]  # nothing renewed after it left
+    for name in names[1:]:
+        assert renewed[name] >= 10
+        assert renewed[name] - at_leaving[name] >= 3  # (0.6 s at one per 0.1 s)
+
+
 # -- 4. loss from outside ---------------------------------------------------------------
 
 

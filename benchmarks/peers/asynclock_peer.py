@@ -14,6 +14,7 @@ from .base import LOCK_TTL, AsyncPeer, AsyncSession, Holding
 class AsynclockPeer(AsyncPeer):
     key = "asynclock"
     label = "asynclock"
+    holds_in_tasks = True
     dist = "asynclock"
     config = (
         f"`asynclock.lease(redis, name, ttl={LOCK_TTL:g})`, blocking, watchdog renewing every "
@@ -46,6 +47,11 @@ class _Session(AsyncSession):
         await holding.start(concurrency)
         return holding
 
+    async def hold_tasks_only(self, names: Sequence[str], concurrency: int) -> Holding | None:
+        holding = _Holding(self.client, names, LOCK_TTL, tasks_only=True)
+        await holding.start(concurrency)
+        return holding
+
     async def aclose(self) -> None:
         await self.client.aclose()
 
@@ -53,7 +59,9 @@ class _Session(AsyncSession):
 class _Holding(Holding):
     """One task per lease, each inside ``async with lease(...)`` until released."""
 
-    def __init__(self, client: Redis, names: Sequence[str], ttl: float) -> None:
+    def __init__(
+        self, client: Redis, names: Sequence[str], ttl: float, *, tasks_only: bool = False
+    ) -> None:
         super().__init__([f"asynclock:{{{name}}}" for name in names])
         self._client = client
         self._names = list(names)
@@ -62,6 +70,7 @@ class _Holding(Holding):
         self._exit_gate = asyncio.Semaphore(1)  # sized by start()
         self._tasks: list[asyncio.Task[None]] = []
         self._lost = 0
+        self._tasks_only = tasks_only  # the same tasks, each waiting without a lease
 
     async def start(self, concurrency: int) -> None:
         gate = asyncio.Semaphore(concurrency)
@@ -81,7 +90,11 @@ class _Holding(Holding):
             await gate.acquire()
             opened = exiting = False
             try:
-                async with asynclock.lease(self._client, name, ttl=self._ttl):
+                async with (
+                    _NoLease()
+                    if self._tasks_only
+                    else asynclock.lease(self._client, name, ttl=self._ttl)
+                ):
                     gate.release()
                     opened = True
                     settled()
@@ -112,3 +125,13 @@ class _Holding(Holding):
     async def release_all(self) -> None:
         self._release.set()
         await asyncio.gather(*self._tasks)
+
+
+class _NoLease:
+    """Takes the place of ``asynclock.lease(...)`` in a holder's task (``tasks_only``)."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None

@@ -76,6 +76,13 @@ class AsyncSession(abc.ABC):
         """Acquire every name (at most ``concurrency`` at a time) and keep them renewed."""
         raise NotImplementedError
 
+    async def hold_tasks_only(self, names: Sequence[str], concurrency: int) -> Holding | None:
+        """For a peer whose API holds each lease inside a task of the caller's: the same
+        tasks as ``hold_many`` makes, each waiting in place of holding its lease (no lock
+        taken), so that the report can tell the tasks' memory from the library's. None for
+        a peer that holds leases without a task of the caller's."""
+        return None
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close the session's connections."""
@@ -106,6 +113,8 @@ class Peer(abc.ABC):
     """How the peer is configured, for the results."""
     unsupported: ClassVar[dict[str, str]] = {}
     """Scenario family -> why this peer does not take part in it."""
+    holds_in_tasks: ClassVar[bool] = False
+    """Whether each held lease needs a task of the caller's (see ``hold_tasks_only``)."""
 
     def probe(self) -> None:  # noqa: B027 - optional hook
         """Import the peer's package; raise if it cannot be used here."""

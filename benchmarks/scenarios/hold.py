@@ -6,6 +6,12 @@ window measures its own CPU time (``time.process_time()``, all threads) and the 
 the server executed (``INFO commandstats``: EVALSHA + EVAL calls; nothing else runs a
 script during the window). At the end it counts leases lost: those the peer reported
 lost, and keys no longer in Redis.
+
+A peer whose API holds each lease inside a task of the caller's (asynclock's
+``async with``) is measured once more, in another fresh child: the same tasks, each
+waiting where it would hold its lease, and no lock taken. The report shows the RSS per
+lease beyond those tasks next to the whole figure; for the other peers the two are the
+same, since they hold leases without a task of the caller's.
 """
 
 from __future__ import annotations
@@ -53,7 +59,17 @@ async def _hold_many(peer: Peer, ctx: Context) -> Measurement:
         answer = await child.result(p.hold_window + 300)
     finally:
         await child.close()
-    return Measurement({k: float(v) for k, v in answer["metrics"].items()}, answer["note"])
+    metrics = {k: float(v) for k, v in answer["metrics"].items()}
+    metrics["kib_beyond_tasks"] = metrics["kib_per_lease"]
+    if peer.holds_in_tasks:
+        child = await Child.start({**spec, "tasks_only": True})
+        try:
+            tasks = await child.result(300)
+        finally:
+            await child.close()
+        metrics["kib_per_task"] = float(tasks["metrics"]["kib_per_lease"])
+        metrics["kib_beyond_tasks"] -= metrics["kib_per_task"]
+    return Measurement(metrics, answer["note"])
 
 
 def child_hold(spec: dict[str, Any]) -> None:
@@ -62,6 +78,17 @@ def child_hold(spec: dict[str, Any]) -> None:
     peer.probe()
     if not isinstance(peer, AsyncPeer):
         raise TypeError(f"{peer.key} cannot hold many leases from one event loop")
+    if spec.get("tasks_only"):
+        kib = asyncio.run(
+            _child_tasks(
+                peer, spec["url"], spec["prefix"], int(spec["leases"]), int(spec["concurrency"])
+            )
+        )
+        sys.stdout.write(
+            "RESULT " + json.dumps({"metrics": {"kib_per_lease": kib}, "note": ""}) + "\n"
+        )
+        sys.stdout.flush()
+        return
     logs = LogCollector()
     logging.getLogger().addHandler(logs)
     metrics, note = asyncio.run(
@@ -150,6 +177,29 @@ async def _child_hold(
         "missing_keys": float(missing),
         "clients": float(clients),
     }, note
+
+
+async def _child_tasks(
+    peer: AsyncPeer, url: str, prefix: str, leases: int, concurrency: int
+) -> float:
+    """RSS per task of the tasks ``hold_many`` would make, each waiting without a lease
+    (measured as ``_child_hold`` measures its leases, after the same warm-up)."""
+    session = await peer.open(url)
+    try:
+        async with session.lock(prefix + ":warm-up"):  # the same connections and scripts
+            pass
+        names = [f"{prefix}:{i}" for i in range(leases)]
+        gc.collect()
+        rss_before = rss_bytes()
+        holding = await session.hold_tasks_only(names, concurrency)
+        if holding is None:
+            raise TypeError(f"{peer.key} does not hold leases in tasks of the caller's")
+        gc.collect()
+        rss_after = rss_bytes()
+        await holding.release_all()
+    finally:
+        await session.aclose()
+    return (rss_after - rss_before) / leases / 1024
 
 
 async def _missing(probe: Redis, keys: list[str]) -> int:
