@@ -169,6 +169,8 @@ class Companion:
             check.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await check
+            if self._users:
+                return  # a lease came meanwhile: its schedule must stay
         await self.watchdog.aclose()
         await self.lane.aclose()
         for client in (self._renewer, self._overflow):

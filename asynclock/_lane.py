@@ -171,7 +171,9 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
                 replies.append(error)
         return replies
     except BaseException:
-        await connection.disconnect()
+        # At once: a graceful close could wait for the peer, and a renewal in flight must
+        # end by its lease's deadline.
+        await connection.disconnect(nowait=True)
         raise
     finally:
         await pool.release(connection)

@@ -316,8 +316,8 @@ class Lease:
         self._lose(LossReason.NOT_OWNER)
 
     def _fail(self, cause: BaseException) -> None:
+        self._lose(LossReason.WATCHDOG_FAILED, cause)  # (first: logging may raise)
         log.error("asynclock: the watchdog of %r failed", self.name, exc_info=cause)
-        self._lose(LossReason.WATCHDOG_FAILED, cause)
 
     def _suspect(self, cause: BaseException) -> None:
         if self._state in _ACTIVE:
@@ -382,9 +382,11 @@ class LeaseContext:
         tb: TracebackType | None,
     ) -> None:
         held = self._lease
-        scope = None if held is None or held._closing else held._scope
-        if held is None or scope is None:
+        if held is not None and held._closing:
+            raise RuntimeError("this lease() context manager has already exited")
+        if held is None or held._scope is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
+        scope = held._scope
         held._closing = True  # from here on a loss can no longer cancel the block
         # Usually the release runs inside the block's own scope, made a shield (it is the
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
@@ -405,6 +407,7 @@ class LeaseContext:
                     scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
         finally:
             held._end()
+            held._scope = None
             if contested:
                 held._companion.room.wake_with_others(self._options.channel)
             else:

@@ -10,15 +10,16 @@ to confirm a renewal: a slow or failed attempt is retried, with a short backoff,
 time remains. Each attempt has its own time limit (at most ttl/3, never past the
 deadline), so one hung connection cannot hold a renewal past the deadline.
 
-The deadline needs no timer of its own. At every moment a held lease is either waiting
-on the timeline (for its next renewal, its next retry, or, when no retry fits before the
-deadline, for ``safe_until`` itself), or in a renewal in flight, whose time limit ends
-at the earliest ``safe_until`` of its batch. Whichever comes up first at ``safe_until``
+The deadline needs no timer per lease. At every moment a held lease is either waiting on
+the timeline (for its next renewal, its next retry, or, when no retry fits before the
+deadline, for ``safe_until`` itself), or in a batch of renewals in flight, whose own
+timer (``_InFlight``) comes up at each ``safe_until`` of the batch while it is in flight
+(and whose time limit ends at the earliest). Whichever comes up at ``safe_until``
 declares the loss, so the body is cancelled at the deadline even while a renewal command
-is still in flight. A reply of 0 means the key no longer holds our token: lost at once,
-no retry can bring it back. Any other failure (timeout, connection error, a failover's
-READONLY/LOADING) leaves the outcome unknown: the lease turns SUSPECT and its deadline
-does not move.
+is still in flight, however slowly that command unwinds. A reply of 0 means the key no
+longer holds our token: lost at once, no retry can bring it back. Any other failure
+(timeout, connection error, a failover's READONLY/LOADING) leaves the outcome unknown:
+the lease turns SUSPECT and its deadline does not move.
 
 One :class:`Watchdog` serves every lease of a client (per event loop): a single loop
 timer fires when the earliest renewal is due, and every renewal due within a few
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
+from ._exceptions import LossReason
 from ._lane import exchange
 from ._scripts import RENEW, pack_args
 
@@ -136,13 +138,16 @@ class Watchdog:
                     timeline.push(due, group[i:])  # the rest goes in the next batch
                     break
                 lease._due = None
-                if lease._safe_until <= now:
-                    lease._on_deadline()
-                elif due >= lease._safe_until:
-                    early.append(lease)  # a deadline check, not a renewal: not yet
-                else:
-                    report_stall(lease, due, now, "the renewal")
-                    batch.append(lease)
+                try:
+                    if lease._safe_until <= now:
+                        lease._on_deadline()
+                    elif due >= lease._safe_until:
+                        early.append(lease)  # a deadline check, not a renewal: not yet
+                    else:
+                        report_stall(lease, due, now, "the renewal")
+                        batch.append(lease)
+                except Exception as exc:  # (a logging handler, say): lost, never unwatched
+                    _failed(lease, exc)
         for lease in early:
             lease._due = lease._safe_until
             timeline.push(lease._due, [lease])
@@ -151,6 +156,7 @@ class Watchdog:
             task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
+            _InFlight(self._loop, batch, task)
 
     async def _renew(self, batch: list[Lease]) -> None:
         """One attempt for each lease of ``batch``; never raises (failures are per lease)."""
@@ -160,11 +166,14 @@ class Watchdog:
             raise
         except (RedisError, OSError, TimeoutError) as exc:
             for lease in batch:
-                self._retry(lease, exc)
+                try:
+                    self._retry(lease, exc)
+                except Exception as bug:
+                    _failed(lease, bug)
             return
         except BaseException as exc:  # a bug: never silence, never leave a lease unwatched
             for lease in batch:
-                lease._fail(exc)
+                _failed(lease, exc)
             return
         # Renewed leases are due again together: one timeline entry per ttl, one float
         # per ttl for the new deadline and the next due time.
@@ -172,18 +181,21 @@ class Watchdog:
         for lease, reply in zip(batch, replies, strict=True):
             if not lease._active:
                 continue
-            if isinstance(reply, BaseException):
-                self._retry(lease, reply)
-            elif reply == 1:
-                ttl = lease.ttl
-                found = renewed.get(ttl)
-                if found is None:
-                    found = renewed[ttl] = (lease._options.safe_until(t_send), [])
-                if lease._confirm(t_send, found[0]):
-                    lease._backoff = None
-                    found[1].append(lease)
-            else:
-                lease._renewal_refused()
+            try:
+                if isinstance(reply, BaseException):
+                    self._retry(lease, reply)
+                elif reply == 1:
+                    ttl = lease.ttl
+                    found = renewed.get(ttl)
+                    if found is None:
+                        found = renewed[ttl] = (lease._options.safe_until(t_send), [])
+                    if lease._confirm(t_send, found[0]):
+                        lease._backoff = None
+                        found[1].append(lease)
+                else:
+                    lease._renewal_refused()
+            except Exception as exc:  # (an on_event hook is guarded; a log handler is not)
+                _failed(lease, exc)
         for ttl, (_, leases) in renewed.items():
             if leases:
                 self._schedule_group(leases, t_send + ttl / 3)
@@ -231,6 +243,58 @@ class Watchdog:
         lease._backoff = min(backoff * 2, lease.ttl / 10, 1.0)
         pause = backoff * random.uniform(0.5, 1.0)
         self.schedule(lease, min(now + pause, lease._safe_until))
+
+
+def _failed(lease: Lease, error: BaseException) -> None:
+    """The watchdog's own handling of ``lease`` raised: the lease is lost
+    (``watchdog_failed``), never left unwatched, even if reporting that raises too."""
+    try:
+        lease._fail(error)
+    except Exception:
+        lease._lose(LossReason.WATCHDOG_FAILED, error)  # (no-op if _fail got that far)
+
+
+class _InFlight:
+    """The deadlines of a batch of renewals in flight, on one loop timer of its own.
+
+    The batch's time limit ends at its earliest deadline, but the batch's task must then
+    run, and unwind through redis-py, before its leases are looked at; with a busy loop
+    that can come late. This timer declares each lease lost at its ``safe_until`` directly
+    (a timer callback, as fast as a timer of the lease's own) while the batch is in
+    flight, and goes away with the batch. A lease still in flight is one with no
+    schedule (``_due is None``) that is still active."""
+
+    __slots__ = ("_batch", "_loop", "_timer")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, batch: list[Lease], task: asyncio.Task[None]
+    ) -> None:
+        self._loop = loop
+        self._batch = batch
+        self._timer: asyncio.TimerHandle | None = loop.call_at(
+            min(lease._safe_until for lease in batch), self._check
+        )
+        task.add_done_callback(self._done)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        earliest = math.inf
+        for lease in self._batch:
+            if lease._due is not None or not lease._active:
+                continue  # back on the timeline, or ended
+            if lease._safe_until <= now:
+                try:
+                    lease._on_deadline()
+                except Exception as exc:  # (a logging handler, say)
+                    _failed(lease, exc)
+            else:
+                earliest = min(earliest, lease._safe_until)
+        self._timer = None if earliest == math.inf else self._loop.call_at(earliest, self._check)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _Timeline:

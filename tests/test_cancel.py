@@ -108,13 +108,17 @@ def test_cancel_around_a_local_handoff_leaves_no_key(redis_server: Any, prefix: 
     """A waiter is cancelled after a random number of loop steps while the holder in the
     same client releases (and so hands it the lock) after another random number: the
     handoff may land before, during or after the waiter's cancellation. Afterwards the
-    key is absent, no waiter is left in line, and nothing lands later."""
+    key is absent, no waiter is left in line, and nothing lands later.
+
+    How many loop steps a handoff takes depends on how fast the server answers, so some
+    cases cancel the waiter only once it has entered its block (``cancel_inside``): both
+    outcomes then occur however loaded the machine is."""
     loop = asyncio.new_event_loop()
     client = Redis.from_url(redis_server.url)
     outcomes = {"before": 0, "inside": 0}
     key = prefix + "{relay}"
 
-    async def one_case(release_after: int, cancel_after: int) -> None:
+    async def one_case(release_after: int, cancel_after: int, cancel_inside: bool) -> None:
         holding = asyncio.Event()
         release = asyncio.Event()
         entered = asyncio.Event()
@@ -136,9 +140,13 @@ def test_cancel_around_a_local_handoff_leaves_no_key(redis_server: Any, prefix: 
         for step in range(max(release_after, cancel_after) + 1):
             if step == release_after:
                 release.set()
-            if step == cancel_after:
+            if step == cancel_after and not cancel_inside:
                 waiting.cancel()
             await asyncio.sleep(0)
+        if cancel_inside:
+            release.set()
+            await asyncio.wait_for(entered.wait(), 10)
+            waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         await held
@@ -155,9 +163,10 @@ def test_cancel_around_a_local_handoff_leaves_no_key(redis_server: Any, prefix: 
     @given(
         release_after=st.integers(min_value=0, max_value=40),
         cancel_after=st.integers(min_value=0, max_value=60),
+        cancel_inside=st.booleans(),
     )
-    def run(release_after: int, cancel_after: int) -> None:
-        loop.run_until_complete(one_case(release_after, cancel_after))
+    def run(release_after: int, cancel_after: int, cancel_inside: bool) -> None:
+        loop.run_until_complete(one_case(release_after, cancel_after, cancel_inside))
 
     try:
         run()

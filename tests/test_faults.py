@@ -204,6 +204,50 @@ async def test_many_leases_renew_in_pipelines(private_server: RedisServer, prefi
     assert reads < renewed / 10, (reads, renewed)
 
 
+async def test_the_deadline_does_not_wait_for_a_renewal_to_unwind(
+    private_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """5: with the server stopped, a renewal in flight is cut off at the deadline; if its
+    unwinding then takes a second (a graceful close waiting for the peer, a busy loop),
+    the body is still cancelled at the deadline, not a second later."""
+    import asynclock._watchdog as watchdog
+
+    real_exchange = watchdog.exchange
+
+    async def slow_to_unwind(client: Redis, packed: bytes, count: int) -> list[object]:
+        try:
+            return await real_exchange(client, packed, count)
+        except asyncio.CancelledError:
+            await asyncio.sleep(1.0)  # (the cancellation was delivered once)
+            raise
+
+    monkeypatch.setattr(watchdog, "exchange", slow_to_unwind)
+    client = Redis.from_url(private_server.url)
+    renewed = asyncio.Event()
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        if event.kind is LeaseEventKind.RENEWED:
+            renewed.set()
+
+    late: list[float] = []
+    try:
+        with pytest.raises(LockLost) as caught:
+            async with asynclock.lease(
+                client, "unwind", ttl=0.6, prefix=prefix, release_timeout=0.2, on_event=on_event
+            ) as lock:
+                await renewed.wait()
+                private_server.pause()
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    late.append(asyncio.get_running_loop().time() - lock.safe_until)
+    finally:
+        private_server.resume()
+        await client.aclose()
+    assert caught.value.reason is LossReason.DEADLINE
+    assert 0 <= late[0] < 0.3
+
+
 async def test_a_watchdog_bug_is_a_loss_not_silence(
     redis: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ):

@@ -117,16 +117,19 @@ async def test_many_leases_are_renewed_in_bounded_batches(
     client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ):
     """3: leases due together are renewed together, in batches of at most the batch limit
-    (4 here, so groups of leases are split); every lease keeps being renewed, and one
-    leaving early stops only its own renewals."""
+    (4 here), each lease at most once per batch; every lease keeps being renewed, and one
+    leaving early stops only its own renewals. (``test_watchdog`` takes the split of a
+    group at the limit step by step.)"""
     import asynclock._watchdog as watchdog
 
     monkeypatch.setattr(watchdog, "_BATCH", 4)
     sizes: list[int] = []
+    repeated: list[str] = []
     real_exchange = watchdog.exchange
 
     async def counting(target: Any, packed: bytes, count: int) -> list[object]:
         sizes.append(count)
+        repeated.extend(n for n in names if packed.count(f"{{{n}}}".encode()) > 1)
         return await real_exchange(target, packed, count)
 
     monkeypatch.setattr(watchdog, "exchange", counting)
@@ -165,7 +168,8 @@ async def test_many_leases_are_renewed_in_bounded_batches(
             event.set()
     assert not lost
     assert max(sizes) <= 4
-    assert sum(sizes) == sum(renewed.values())
+    assert not repeated
+    assert sum(renewed.values()) <= sum(sizes)  # (a batch in flight at exit goes unconfirmed)
     assert renewed[names[0]] == at_leaving[names[0]]  # nothing renewed after it left
     for name in names[1:]:
         assert renewed[name] >= 10
@@ -444,6 +448,8 @@ async def test_context_manager_is_single_use(client: Redis, prefix: str):
         pass
     with pytest.raises(RuntimeError, match="once"):
         await context.__aenter__()
+    with pytest.raises(RuntimeError, match="already exited"):
+        await context.__aexit__(None, None, None)
 
 
 async def test_repr_shows_state(client: Redis, prefix: str):
