@@ -89,6 +89,7 @@ class Watchdog:
         self._renewer = renewer
         self._timeline = _Timeline(loop, self._fire)
         self._batches: set[asyncio.Task[None]] = set()
+        self._closing = False  # set while aclose() cancels the batches in flight
         self._head = b"*6\r\n" + pack_args(("EVALSHA", RENEW.sha, 1))  # + key, value, ttl
 
     @property
@@ -110,11 +111,15 @@ class Watchdog:
         """Stop renewing and wait for renewals in flight to be cancelled."""
         self._timeline.cancel()
         batches = list(self._batches)
-        for task in batches:
-            task.cancel()
-        for task in batches:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._closing = True
+        try:
+            for task in batches:
+                task.cancel()
+            for task in batches:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            self._closing = False
 
     def _fire(self, now: float) -> None:
         """The earliest entry is due: send every renewal due within the window, and
@@ -163,7 +168,16 @@ class Watchdog:
         try:
             t_send, replies = await self._send(batch)
         except asyncio.CancelledError:
-            raise
+            if self._closing:
+                raise
+            # Not ours (a cancellation that escaped the time limit under a stalled loop,
+            # say): the outcome is unknown, and no lease may be left unwatched.
+            for lease in batch:
+                try:
+                    self._retry(lease, TimeoutError("renewal cancelled"))
+                except Exception as bug:
+                    _failed(lease, bug)
+            return
         except (RedisError, OSError, TimeoutError) as exc:
             for lease in batch:
                 try:
@@ -292,6 +306,10 @@ class _InFlight:
         self._timer = None if earliest == math.inf else self._loop.call_at(earliest, self._check)
 
     def _done(self, task: asyncio.Task[None]) -> None:
+        """The batch ended: its leases are back on the timeline or ended, and the timer
+        goes; should one have been left neither (a bug), it stays to declare the loss."""
+        if any(lease._due is None and lease._active for lease in self._batch):
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

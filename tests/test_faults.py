@@ -248,6 +248,31 @@ async def test_the_deadline_does_not_wait_for_a_renewal_to_unwind(
     assert 0 <= late[0] < 0.3
 
 
+async def test_a_stray_cancellation_of_a_renewal_leaves_no_lease_unwatched(
+    redis: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A renewal whose task is cancelled by anything but the watchdog's own closing (a
+    cancellation that escaped its time limit, say) is a failed attempt: retried, and
+    the lease is lost at its deadline if none gets through, never left unwatched."""
+    from asynclock._watchdog import Watchdog
+
+    attempts = 0
+
+    async def cancelled(self: Watchdog, batch: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(Watchdog, "_send", cancelled)
+    with pytest.raises(LockLost) as caught:
+        async with asyncio.timeout(5):
+            async with asynclock.lease(redis, "stray", ttl=0.6, prefix=prefix) as lock:
+                await anyio.sleep_forever()
+    assert caught.value.reason is LossReason.DEADLINE
+    assert attempts >= 2  # retried, not given up
+    assert lock.state is LeaseState.LOST
+
+
 async def test_a_watchdog_bug_is_a_loss_not_silence(
     redis: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ):
