@@ -172,18 +172,10 @@ class Watchdog:
                 raise
             # Not ours (a cancellation that escaped the time limit under a stalled loop,
             # say): the outcome is unknown, and no lease may be left unwatched.
-            for lease in batch:
-                try:
-                    self._retry(lease, TimeoutError("renewal cancelled"))
-                except Exception as bug:
-                    _failed(lease, bug)
+            self._retry_all(batch, TimeoutError("renewal cancelled"))
             return
         except (RedisError, OSError, TimeoutError) as exc:
-            for lease in batch:
-                try:
-                    self._retry(lease, exc)
-                except Exception as bug:
-                    _failed(lease, bug)
+            self._retry_all(batch, exc)
             return
         except BaseException as exc:  # a bug: never silence, never leave a lease unwatched
             for lease in batch:
@@ -241,6 +233,14 @@ class Watchdog:
                 t_send = loop.time()
                 replies = await exchange(client, packed, len(batch))
         return t_send, replies
+
+    def _retry_all(self, batch: list[Lease], error: BaseException) -> None:
+        """The batch failed as a whole: every lease of it tries again (see ``_retry``)."""
+        for lease in batch:
+            try:
+                self._retry(lease, error)
+            except Exception as bug:
+                _failed(lease, bug)
 
     def _retry(self, lease: Lease, error: BaseException) -> None:
         """The outcome is unknown: SUSPECT, and try again shortly while time remains; with
