@@ -495,7 +495,11 @@ async def _release(
     """Release ``held``. Returns NOT_OURS if Redis answered that the key was not ours
     while we still believed we held it (the work may have overlapped another holder); None
     if that answer proves nothing: a retry after a lost reply (the first attempt may have
-    released the key), or a release sent after the safe deadline.
+    released the key), or a reply that arrived at or after the safe deadline. Redis ran
+    the script at some moment before its reply arrived, and the key cannot expire by its
+    TTL before ``safe_until``; so only a reply received before ``safe_until`` proves the
+    key went early. One sent earlier but answered later may have found the key expired
+    by its TTL after the block had finished in time, which is no loss.
 
     With a ``successor`` (the head of this client's line for the lock) the HANDOFF script
     gives it the key in the same round trip unless a waiter of another client is
@@ -528,7 +532,6 @@ async def _release(
             register_ms(successor.ttl_ms),
             HANDOFF_PATIENCE_MS,
         ]
-    t_send = companion.loop.time()
     try:
         reply = await script(companion.lane, keys, args, deadline)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
@@ -541,6 +544,7 @@ async def _release(
             companion.room.set_registered(options.channel, True)
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args)
+    proof = first and companion.loop.time() < held.safe_until  # (see the docstring)
     if successor is None:
         if reply == 1:
             return _Outcome.RELEASED
@@ -551,7 +555,7 @@ async def _release(
             # The next holder took the key by an attempt of its own: ours was gone before
             # the release (its own reply tells it so; it is only woken here).
             successor.event.set()
-            return _Outcome.NOT_OURS if t_send < held.safe_until else None
+            return _Outcome.NOT_OURS if proof else None
         if status in (1, 3):  # (3 on a retry: our first run's handoff had landed)
             successor.grant = (fence, t_offer)  # the script set or renewed its expiry
             successor.event.set()
@@ -564,7 +568,7 @@ async def _release(
         if status == 4:  # the next holder gave up; released as RELEASE does
             room.set_registered(options.channel, args[6] == "keep")
             return _Outcome.RELEASED
-    return _Outcome.NOT_OURS if first and t_send < held.safe_until else None
+    return _Outcome.NOT_OURS if proof else None
 
 
 async def _unretain(companion: Companion) -> None:

@@ -262,6 +262,41 @@ def test_sigcont_latency_counts_only_bodies_running_when_resumed():
     assert figure["max_ms"] == pytest.approx(2.0, abs=0.01)
 
 
+def test_not_owner_found_by_the_release_is_attributed():
+    """A ``LockLost(not_owner)`` found only by the release (the body had returned with time
+    left) is put down to a data-loss fault, to a stop of its holder, to a reply that came
+    after the safe deadline, or to nothing."""
+
+    def found_at_release(
+        holder: str, start: float, lost_at: float, safe_until: float, granted: float
+    ) -> RoundReport:
+        return RoundReport(
+            holder, "a", int(granted * 1e6), "lost", "not_owner", None, start, start + 0.2,
+            safe_until, lost_at, left_at_end=0.1,
+        )  # fmt: skip
+
+    flush = Fault(1, 5.05, FaultKind.FLUSH, "", 0.01, 0.0, 0.5)
+    lost_keys = Injection(flush, start=5.05, end=5.06, start_wall=NOW + 5.05, end_wall=NOW + 5.06)
+    rounds = [
+        found_at_release("w1", 0.5, 1.2, 1.3, NOW),  # w1 was stopped from 1.0 to 3.0
+        found_at_release("w2", 5.0, 5.3, 5.5, NOW),  # its key was flushed at 5.05
+        found_at_release("w2", 6.0, 6.6, 6.5, NOW + 6.0),  # answered after its deadline
+        found_at_release("w2", 7.0, 7.25, 7.5, NOW + 7.0),  # nothing explains it
+    ]
+    record = _stopped_holder_record(rounds)
+    record = dataclasses.replace(record, injections=(*record.injections, lost_keys))
+    summary = summarize(record)
+    assert summary.data["not_owner_at_release"] == {
+        "after_data_loss": 1,
+        "paused": 1,
+        "answered_late": 1,
+        "unexplained": 1,
+    }
+    assert "1 after data loss, 1 holder stopped, 1 answered after the deadline" in "\n".join(
+        summary.lines
+    )
+
+
 def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50.0

@@ -332,3 +332,52 @@ async def test_a_lost_release_reply_is_not_reported_as_a_loss(
         finally:
             await client.aclose()
             await observer.aclose()
+
+
+async def test_a_key_gone_before_the_release_raises_lock_lost(client: Redis, prefix: str):
+    """A key deleted while the block ran, found gone by the release well before the safe
+    deadline: the work may have overlapped another holder, so the exit raises
+    ``LockLost(not_owner)`` (the watchdog, renewing every 10 s, had not noticed)."""
+    with pytest.raises(LockLost) as caught:
+        async with asynclock.lease(client, "vanished", ttl=30, prefix=prefix) as lock:
+            await client.delete(lock.key)
+    assert caught.value.reason is LossReason.NOT_OWNER
+    assert lock.state is LeaseState.LOST
+
+
+async def test_a_release_answered_after_the_deadline_proves_no_loss(
+    private_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The block finished before its safe deadline, but the release reached Redis only after
+    the key had expired by its TTL (renewals were failing). Finding the key gone then proves
+    nothing about the work, which was done in time: no ``LockLost``. The release's reply came
+    after the deadline, which is what tells this apart from a key gone early."""
+    import asynclock._watchdog as watchdog
+    from asynclock.testing import ProxyMode
+
+    async def failing(target: Any, packed: bytes, count: int) -> list[object]:
+        raise RedisConnectionError("renewals cut (test)")
+
+    monkeypatch.setattr(watchdog, "exchange", failing)
+    events: list[asynclock.LeaseEvent] = []
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        try:
+            async with asynclock.lease(
+                client, "late", ttl=1.2, prefix=prefix, release_timeout=5, on_event=events.append
+            ) as lock:
+                await anyio.sleep(lock.time_left - 0.3)  # the block ends 0.3 s before it
+                assert lock.state is LeaseState.SUSPECT
+                proxy.set_mode(ProxyMode.DELAY, direction="upstream", delay=0.6)
+                t_exit = asyncio.get_running_loop().time()
+            t_done = asyncio.get_running_loop().time()
+            assert t_exit < lock.safe_until < t_done  # sent before the deadline, answered after
+            assert lock.state is LeaseState.RELEASED
+            assert lock.lost_reason is None
+            assert not [e for e in events if e.kind is LeaseEventKind.LOST]
+            assert await observer.exists(lock.key) == 0
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await client.aclose()
+            await observer.aclose()

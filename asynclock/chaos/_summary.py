@@ -355,21 +355,67 @@ def _latencies(
         elif report.reason == "not_owner" and report.lost_at is not None:
             if report.lost_at > report.body_end + _SLACK:
                 continue  # noticed after the body had ended
-            granted = token_time(report.fence, now_wall)
-            latest: DataLoss | None = None
-            for window in windows:  # in time order: the last one that took the key away
-                granted_before = (
-                    granted <= window.end_wall + _SLACK
-                    if granted is not None
-                    else report.body_start - record.ttl <= window.end
-                )
-                if granted_before and window.start <= report.lost_at:
-                    latest = window
+            latest = _data_loss_before(report, report.lost_at, windows, record.ttl, now_wall)
             if latest is None:
                 unexplained.append(report.lost_at - report.body_start)
             elif report.body_end >= latest.end:
                 found["not_owner"].append(report.body_end - latest.end)
     return found
+
+
+def _data_loss_before(
+    report: RoundReport,
+    when: float,
+    windows: Sequence[DataLoss],
+    ttl: float,
+    now_wall: float,
+) -> DataLoss | None:
+    """The last data-loss fault that began by ``when`` (loop time) and could have taken
+    away the round's lease: one that ended after the lease was granted."""
+    if report.fence is None or report.body_start is None:
+        return None
+    granted = token_time(report.fence, now_wall)
+    latest: DataLoss | None = None
+    for window in windows:  # in time order
+        granted_before = (
+            granted <= window.end_wall + _SLACK
+            if granted is not None
+            else report.body_start - ttl <= window.end
+        )
+        if granted_before and window.start <= when:
+            latest = window
+    return latest
+
+
+def _release_losses(
+    record: RunRecord, windows: Sequence[DataLoss], now_wall: float
+) -> dict[str, int]:
+    """Why each ``LockLost(not_owner)`` found only by the release (the body had returned
+    with time left) came about: a data-loss fault took the key (``after_data_loss``), the
+    holder was stopped (``paused``), the release was answered only after the lease's safe
+    deadline, when the key may have expired by its TTL (``answered_late``: proves nothing;
+    asynclock no longer reports these), or nothing explains it (``unexplained``: the key
+    was gone early, or taken, while no fault touched it)."""
+    counts = dict.fromkeys(("after_data_loss", "paused", "answered_late", "unexplained"), 0)
+    by_holder = _pauses_by_holder(record.pauses)
+    for report in record.rounds:
+        if not report.lost_after_finishing or report.reason != "not_owner":
+            continue
+        if report.fence is None or report.body_start is None or report.body_end is None:
+            continue
+        when = report.lost_at if report.lost_at is not None else report.exit_end
+        if when is None:
+            continue
+        interval = Interval(report.lock, report.who, report.fence, report.body_start, when)
+        if _data_loss_before(report, when, windows, record.ttl, now_wall) is not None:
+            counts["after_data_loss"] += 1
+        elif pause_of(interval, by_holder, record.ttl) is not None:
+            counts["paused"] += 1
+        elif report.safe_until is not None and when >= report.safe_until:
+            counts["answered_late"] += 1
+        else:
+            counts["unexplained"] += 1
+    return counts
 
 
 def local_handoffs(rounds: Iterable[RoundReport]) -> list[RoundReport]:
@@ -547,6 +593,7 @@ def summarize(record: RunRecord) -> Summary:
         "lock_lost": {"total": sum(lost.values()), "by_reason": dict(sorted(lost.items()))},
         "lost_behind_body_error": dict(sorted(hidden.items())),
         "lost_after_body_finished": dict(sorted(late.items())),
+        "not_owner_at_release": _release_losses(record, windows, now_wall),
         "overlap": {
             "unpaused": _pairs(classes.unpaused),
             "after_data_loss": _pairs(classes.after_data_loss),
@@ -641,6 +688,12 @@ def _render(
         lines.append(
             f"  LockLost after the body had finished in time: "
             f"{_counts(data['lost_after_body_finished'])} (found only by the release)"
+        )
+        why = data["not_owner_at_release"]
+        lines.append(
+            f"    not_owner at release: {why['after_data_loss']} after data loss, "
+            f"{why['paused']} holder stopped, {why['answered_late']} answered after the "
+            f"deadline, {why['unexplained']} unexplained"
         )
     lines += [
         f"  overlap, not paused  {overlap['unpaused']['count']} pairs"
