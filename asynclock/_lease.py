@@ -175,7 +175,8 @@ class Lease:
         With ``verify=False`` the answer is local and free: False once the lease is lost,
         released, or past its safe deadline. With ``verify=True`` the token is also read
         back from Redis; finding another value there marks the lease ``LOST``
-        (``not_owner``), which cancels the block.
+        (``not_owner``), which cancels the block (once the block has exited and the lease
+        is being released, it only answers False).
 
         Raises:
             redis.exceptions.RedisError, TimeoutError: ``verify=True`` and Redis could
@@ -193,7 +194,8 @@ class Lease:
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if _text(value) != self._owner():
-            self._lose(LossReason.NOT_OWNER)
+            if not self._closing:  # (found during the release, it proves nothing)
+                self._lose(LossReason.NOT_OWNER)
             return False
         return self._held_locally()
 
@@ -279,7 +281,8 @@ class Lease:
         async with asyncio.timeout(limit):
             reply = await RENEW(client, [self.key], [self._owner(), self._options.ttl_ms])
         if reply != 1:
-            self._lose(LossReason.NOT_OWNER)
+            if not self._closing:  # (found during the release, it proves nothing)
+                self._lose(LossReason.NOT_OWNER)
             return False
         return self._confirm(t_send)
 
@@ -387,7 +390,13 @@ class LeaseContext:
         if held is None or held._scope is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
         scope = held._scope
+        # A block that ran past its safe deadline, with no await for the deadline's timer
+        # to land in (a blocking call, a CPU-bound stretch), did not finish in time.
+        overran = held._state_active and held._companion.loop.time() >= held._safe_until
         held._closing = True  # from here on a loss can no longer cancel the block
+        if overran:
+            report_stall(held, held._safe_until, held._companion.loop.time(), "the exit")
+            held._lose(LossReason.DEADLINE, held._lost_cause)
         # Usually the release runs inside the block's own scope, made a shield (it is the
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
         # the block (the lease was lost) is left first, since it would cancel the release.

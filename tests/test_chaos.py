@@ -264,8 +264,9 @@ def test_sigcont_latency_counts_only_bodies_running_when_resumed():
 
 def test_not_owner_found_by_the_release_is_attributed():
     """A ``LockLost(not_owner)`` found only by the release (the body had returned with time
-    left) is put down to a data-loss fault, to a stop of its holder, to a reply that came
-    after the safe deadline, or to nothing."""
+    left) is put down to a data-loss fault; failing that, a reply that came after the safe
+    deadline or nothing at all fails the run. A stop of the holder explains none (the key
+    cannot expire by its TTL before the deadline, stopped or not)."""
 
     def found_at_release(
         holder: str, start: float, lost_at: float, safe_until: float, granted: float
@@ -277,23 +278,35 @@ def test_not_owner_found_by_the_release_is_attributed():
 
     flush = Fault(1, 5.05, FaultKind.FLUSH, "", 0.01, 0.0, 0.5)
     lost_keys = Injection(flush, start=5.05, end=5.06, start_wall=NOW + 5.05, end_wall=NOW + 5.06)
-    rounds = [
-        found_at_release("w1", 0.5, 1.2, 1.3, NOW),  # w1 was stopped from 1.0 to 3.0
-        found_at_release("w2", 5.0, 5.3, 5.5, NOW),  # its key was flushed at 5.05
-        found_at_release("w2", 6.0, 6.6, 6.5, NOW + 6.0),  # answered after its deadline
-        found_at_release("w2", 7.0, 7.25, 7.5, NOW + 7.0),  # nothing explains it
-    ]
-    record = _stopped_holder_record(rounds)
-    record = dataclasses.replace(record, injections=(*record.injections, lost_keys))
-    summary = summarize(record)
-    assert summary.data["not_owner_at_release"] == {
+
+    def summary_of(*rounds: RoundReport) -> Any:
+        record = _stopped_holder_record(list(rounds))  # w1 was stopped from 1.0 to 3.0
+        return summarize(dataclasses.replace(record, injections=(*record.injections, lost_keys)))
+
+    flushed = found_at_release("w2", 5.0, 5.3, 5.5, NOW)  # its key was flushed at 5.05
+    explained = summary_of(flushed)
+    assert explained.data["not_owner_at_release"] == {
         "after_data_loss": 1,
-        "paused": 1,
-        "answered_late": 1,
-        "unexplained": 1,
+        "answered_late": 0,
+        "unexplained": 0,
     }
-    assert "1 after data loss, 1 holder stopped, 1 answered after the deadline" in "\n".join(
-        summary.lines
+    assert not [f for f in explained.failures if "at release" in f]
+    late = found_at_release("w2", 6.0, 6.6, 6.5, NOW + 6.0)  # answered after its deadline
+    stopped = found_at_release("w1", 0.5, 1.2, 1.3, NOW)  # its holder was stopped
+    nothing = found_at_release("w2", 7.0, 7.25, 7.5, NOW + 7.0)
+    failed = summary_of(flushed, late, stopped, nothing)
+    assert failed.data["not_owner_at_release"] == {
+        "after_data_loss": 1,
+        "answered_late": 1,
+        "unexplained": 2,
+    }
+    assert not failed.ok
+    assert "1 LockLost(not_owner) at release answered after the safe deadline" in "\n".join(
+        failed.failures
+    )
+    assert "2 LockLost(not_owner) at release with no data-loss fault" in "\n".join(failed.failures)
+    assert "1 after data loss, 1 answered after the deadline, 2 unexplained  <- must be 0" in (
+        "\n".join(failed.lines)
     )
 
 

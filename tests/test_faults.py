@@ -6,6 +6,7 @@ Numbers in test docstrings refer to the "must hold" list of issue 2.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -351,7 +352,8 @@ async def test_a_release_answered_after_the_deadline_proves_no_loss(
     """The block finished before its safe deadline, but the release reached Redis only after
     the key had expired by its TTL (renewals were failing). Finding the key gone then proves
     nothing about the work, which was done in time: no ``LockLost``. The release's reply came
-    after the deadline, which is what tells this apart from a key gone early."""
+    after the deadline, which is what tells this apart from a key gone early. (Margins: the
+    loop may stall up to 0.6 s before the exit, the release lands 0.6 s after the expiry.)"""
     import asynclock._watchdog as watchdog
     from asynclock.testing import ProxyMode
 
@@ -365,19 +367,38 @@ async def test_a_release_answered_after_the_deadline_proves_no_loss(
         observer = Redis.from_url(private_server.url)
         try:
             async with asynclock.lease(
-                client, "late", ttl=1.2, prefix=prefix, release_timeout=5, on_event=events.append
+                client, "late", ttl=2, prefix=prefix, release_timeout=5, on_event=events.append
             ) as lock:
-                await anyio.sleep(lock.time_left - 0.3)  # the block ends 0.3 s before it
+                await anyio.sleep(lock.time_left - 0.6)  # the block ends 0.6 s before it
                 assert lock.state is LeaseState.SUSPECT
-                proxy.set_mode(ProxyMode.DELAY, direction="upstream", delay=0.6)
+                proxy.set_mode(ProxyMode.DELAY, direction="upstream", delay=1.2)
                 t_exit = asyncio.get_running_loop().time()
             t_done = asyncio.get_running_loop().time()
             assert t_exit < lock.safe_until < t_done  # sent before the deadline, answered after
             assert lock.state is LeaseState.RELEASED
             assert lock.lost_reason is None
-            assert not [e for e in events if e.kind is LeaseEventKind.LOST]
+            kinds = {e.kind for e in events}
+            assert LeaseEventKind.LOST not in kinds
+            # the release found the key gone (neither released nor failed: expired)
+            assert not kinds & {LeaseEventKind.RELEASED, LeaseEventKind.RELEASE_FAILED}
             assert await observer.exists(lock.key) == 0
         finally:
             proxy.set_mode(ProxyMode.PASS)
             await client.aclose()
             await observer.aclose()
+
+
+async def test_a_block_that_overruns_its_deadline_without_awaiting_raises_lock_lost(
+    client: Redis, prefix: str, caplog: pytest.LogCaptureFixture
+):
+    """A body whose last stretch blocks past the safe deadline, with no await for the
+    deadline's timer to land in, did not finish in time: ``LockLost(deadline)`` on exit, the
+    stall logged, and the key still released if it was ours."""
+    ttl = 0.3
+    with caplog.at_level(logging.WARNING, logger="asynclock"), pytest.raises(LockLost) as caught:
+        async with asynclock.lease(client, "overrun", ttl=ttl, prefix=prefix) as lock:
+            time.sleep(ttl + 0.15)  # noqa: ASYNC251 - the overrun under test
+    assert caught.value.reason is LossReason.DEADLINE
+    assert lock.state is LeaseState.LOST
+    assert any("stall" in r.getMessage() for r in caplog.records)
+    assert await client.exists(lock.key) == 0

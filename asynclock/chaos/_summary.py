@@ -28,6 +28,10 @@ Definitions (also in ``docs/chaos.md``):
   having stopped. ``after SIGCONT``: for a holder stopped while its body ran, from
   ``SIGCONT`` to its body having stopped. Losses noticed only after the body had ended
   (e.g. during the release) have no latency.
+* A ``LockLost(not_owner)`` found only by the release must be explained by a data-loss
+  fault that began after the lease was granted and before the loss was noticed; one noticed
+  after the lease's safe deadline (the key may have expired by its TTL, which proves no
+  loss) or explained by nothing fails the run.
 * Holders are the contenders (``worker-N/tK``), several per worker process; a pause
   (``SIGSTOP`` of the process) is recorded for each of them.
 * An acquisition came *by local handoff* when its lease counts from a moment within the
@@ -390,28 +394,23 @@ def _data_loss_before(
 def _release_losses(
     record: RunRecord, windows: Sequence[DataLoss], now_wall: float
 ) -> dict[str, int]:
-    """Why each ``LockLost(not_owner)`` found only by the release (the body had returned
-    with time left) came about: a data-loss fault took the key (``after_data_loss``), the
-    holder was stopped (``paused``), the release was answered only after the lease's safe
-    deadline, when the key may have expired by its TTL (``answered_late``: proves nothing;
-    asynclock no longer reports these), or nothing explains it (``unexplained``: the key
-    was gone early, or taken, while no fault touched it)."""
-    counts = dict.fromkeys(("after_data_loss", "paused", "answered_late", "unexplained"), 0)
-    by_holder = _pauses_by_holder(record.pauses)
+    """What explains each ``LockLost(not_owner)`` found only by the release (the body had
+    returned with time left): a data-loss fault that could have taken the key
+    (``after_data_loss``); else a release answered only after the lease's safe deadline
+    (``answered_late``), which proves nothing and must not be raised; else nothing
+    (``unexplained``: the key went early, or was taken, while no fault touched it). A stop
+    of the holder explains none: the loop's clock runs on through ``SIGSTOP``, and the key
+    cannot expire by its TTL before the safe deadline whatever the holder does."""
+    counts = dict.fromkeys(("after_data_loss", "answered_late", "unexplained"), 0)
     for report in record.rounds:
         if not report.lost_after_finishing or report.reason != "not_owner":
-            continue
-        if report.fence is None or report.body_start is None or report.body_end is None:
             continue
         when = report.lost_at if report.lost_at is not None else report.exit_end
         if when is None:
             continue
-        interval = Interval(report.lock, report.who, report.fence, report.body_start, when)
         if _data_loss_before(report, when, windows, record.ttl, now_wall) is not None:
             counts["after_data_loss"] += 1
-        elif pause_of(interval, by_holder, record.ttl) is not None:
-            counts["paused"] += 1
-        elif report.safe_until is not None and when >= report.safe_until:
+        elif report.safe_until is not None and when > report.safe_until + _SLACK:
             counts["answered_late"] += 1
         else:
             counts["unexplained"] += 1
@@ -563,6 +562,13 @@ def summarize(record: RunRecord) -> Summary:
 
     # -- latency --------------------------------------------------------------------------
     latency = _latencies(record, windows, now_wall)
+    at_release = _release_losses(record, windows, now_wall)
+    for what, why in (
+        ("answered_late", "answered after the safe deadline (proves no loss)"),
+        ("unexplained", "with no data-loss fault to explain it"),
+    ):
+        if at_release[what]:
+            failures.append(f"{at_release[what]} LockLost(not_owner) at release {why}")
 
     data: dict[str, Any] = {
         "ok": not failures,
@@ -593,7 +599,7 @@ def summarize(record: RunRecord) -> Summary:
         "lock_lost": {"total": sum(lost.values()), "by_reason": dict(sorted(lost.items()))},
         "lost_behind_body_error": dict(sorted(hidden.items())),
         "lost_after_body_finished": dict(sorted(late.items())),
-        "not_owner_at_release": _release_losses(record, windows, now_wall),
+        "not_owner_at_release": at_release,
         "overlap": {
             "unpaused": _pairs(classes.unpaused),
             "after_data_loss": _pairs(classes.after_data_loss),
@@ -692,8 +698,8 @@ def _render(
         why = data["not_owner_at_release"]
         lines.append(
             f"    not_owner at release: {why['after_data_loss']} after data loss, "
-            f"{why['paused']} holder stopped, {why['answered_late']} answered after the "
-            f"deadline, {why['unexplained']} unexplained"
+            f"{why['answered_late']} answered after the deadline, "
+            f"{why['unexplained']} unexplained" + must(why["answered_late"] + why["unexplained"])
         )
     lines += [
         f"  overlap, not paused  {overlap['unpaused']['count']} pairs"
