@@ -402,3 +402,42 @@ async def test_a_block_that_overruns_its_deadline_without_awaiting_raises_lock_l
     assert lock.state is LeaseState.LOST
     assert any("stall" in r.getMessage() for r in caplog.records)
     assert await client.exists(lock.key) == 0
+
+
+@pytest.mark.parametrize("call", ["is_held", "extend"])
+async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
+    client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, call: str
+):
+    """A task that outlives the block asks ``is_held(verify=True)`` or ``extend()`` while
+    the release is in flight, and its command lands after the release's delete: it finds
+    the key gone, which is the release's own doing, not a loss. (The wrapped release makes
+    that order certain: the check runs after the release script has answered.)"""
+    import asynclock._lease as lease_module
+
+    real_release = lease_module._release
+    answers: list[object] = []
+
+    async def release_then_check(held: asynclock.Lease, **kwargs: Any) -> object:
+        outcome = await real_release(held, **kwargs)
+        if call == "is_held":
+            answers.append(await held.is_held(verify=True))
+        else:
+            try:
+                await held.extend()
+            except LockLost as exc:
+                answers.append(exc)
+        return outcome
+
+    monkeypatch.setattr(lease_module, "_release", release_then_check)
+    events: list[asynclock.LeaseEvent] = []
+    async with asynclock.lease(
+        client, "checked", ttl=30, prefix=prefix, on_event=events.append
+    ) as lock:
+        pass
+    assert len(answers) == 1
+    if call == "is_held":
+        assert answers == [False]
+    assert lock.state is LeaseState.RELEASED
+    assert lock.lost_reason is None
+    assert [e.kind for e in events][-1] is LeaseEventKind.RELEASED
+    assert await client.exists(lock.key) == 0
