@@ -194,8 +194,7 @@ class Lease:
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if _text(value) != self._owner():
-            if not self._closing:  # (found during the release, it proves nothing)
-                self._lose(LossReason.NOT_OWNER)
+            self._found_not_ours()
             return False
         return self._held_locally()
 
@@ -267,7 +266,11 @@ class Lease:
         """Called by the watchdog once ``safe_until`` has passed."""
         if self._state not in _ACTIVE or self._closing:
             return  # ended, or the block finished in time and is being released
-        report_stall(self, self._safe_until, self._companion.loop.time(), "the deadline")
+        self._deadline_passed("the deadline")
+
+    def _deadline_passed(self, what: str) -> None:
+        """``safe_until`` has passed (noticed by ``what``): log a stall, lose the lease."""
+        report_stall(self, self._safe_until, self._companion.loop.time(), what)
         self._lose(LossReason.DEADLINE, self._lost_cause)
 
     async def _renew_once(self, limit: float) -> bool:
@@ -281,8 +284,7 @@ class Lease:
         async with asyncio.timeout(limit):
             reply = await RENEW(client, [self.key], [self._owner(), self._options.ttl_ms])
         if reply != 1:
-            if not self._closing:  # (found during the release, it proves nothing)
-                self._lose(LossReason.NOT_OWNER)
+            self._found_not_ours()
             return False
         return self._confirm(t_send)
 
@@ -315,8 +317,11 @@ class Lease:
         self._value = packed = self._companion.pack_args(options.key, value, options.ttl_ms)
         return packed
 
-    def _renewal_refused(self) -> None:
-        self._lose(LossReason.NOT_OWNER)
+    def _found_not_ours(self) -> None:
+        """A renewal or a read-back of ours found the key not ours: lost, unless the
+        block has exited (the release in flight may have deleted it: no proof then)."""
+        if not self._closing:
+            self._lose(LossReason.NOT_OWNER)
 
     def _fail(self, cause: BaseException) -> None:
         self._lose(LossReason.WATCHDOG_FAILED, cause)  # (first: logging may raise)
@@ -395,8 +400,7 @@ class LeaseContext:
         overran = held._state_active and held._companion.loop.time() >= held._safe_until
         held._closing = True  # from here on a loss can no longer cancel the block
         if overran:
-            report_stall(held, held._safe_until, held._companion.loop.time(), "the exit")
-            held._lose(LossReason.DEADLINE, held._lost_cause)
+            held._deadline_passed("the exit")
         # Usually the release runs inside the block's own scope, made a shield (it is the
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
         # the block (the lease was lost) is left first, since it would cancel the release.
@@ -553,7 +557,6 @@ async def _release(
             companion.room.set_registered(options.channel, True)
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args)
-    proof = first and companion.loop.time() < held.safe_until  # (see the docstring)
     if successor is None:
         if reply == 1:
             return _Outcome.RELEASED
@@ -564,7 +567,7 @@ async def _release(
             # The next holder took the key by an attempt of its own: ours was gone before
             # the release (its own reply tells it so; it is only woken here).
             successor.event.set()
-            return _Outcome.NOT_OURS if proof else None
+            return _Outcome.NOT_OURS if _proves_loss(held, first) else None
         if status in (1, 3):  # (3 on a retry: our first run's handoff had landed)
             successor.grant = (fence, t_offer)  # the script set or renewed its expiry
             successor.event.set()
@@ -577,7 +580,13 @@ async def _release(
         if status == 4:  # the next holder gave up; released as RELEASE does
             room.set_registered(options.channel, args[6] == "keep")
             return _Outcome.RELEASED
-    return _Outcome.NOT_OURS if proof else None
+    return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+
+
+def _proves_loss(held: Lease, first: bool) -> bool:
+    """Whether a release's answer that the key was not ours, just received, proves the key
+    went early: the first attempt's, received before ``safe_until`` (see ``_release``)."""
+    return first and held._companion.loop.time() < held.safe_until
 
 
 async def _unretain(companion: Companion) -> None:

@@ -199,7 +199,7 @@ class Watchdog:
                         lease._backoff = None
                         found[1].append(lease)
                 else:
-                    lease._renewal_refused()
+                    lease._found_not_ours()
             except Exception as exc:  # (an on_event hook is guarded; a log handler is not)
                 _failed(lease, exc)
         for ttl, (_, leases) in renewed.items():
