@@ -5,6 +5,11 @@
     async with asynclock.lease(redis, "import-products", ttl=30) as lock:
         ...  # cancelled, and LockLost raised, before another holder could get the lock
 
+    lock = await asynclock.acquire(redis, "partition-7", ttl=30)  # held until released
+    async with lock.guard():
+        ...  # the same promise, for this stretch of work
+    await lock.release()
+
 See ``lease`` for the arguments and ``Lease`` for what the holder sees.
 """
 
@@ -13,6 +18,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from ._context import LeaseContext as LeaseContext
+from ._context import acquire as acquire
+from ._context import lease as lease
 from ._events import EventHook as EventHook
 from ._events import LeaseEvent as LeaseEvent
 from ._events import LeaseEventKind as LeaseEventKind
@@ -22,9 +30,8 @@ from ._exceptions import LockError as LockError
 from ._exceptions import LockLost as LockLost
 from ._exceptions import LossReason as LossReason
 from ._lease import Lease as Lease
-from ._lease import LeaseContext as LeaseContext
+from ._lease import LeaseGuard as LeaseGuard
 from ._lease import LeaseState as LeaseState
-from ._lease import lease as lease
 
 try:
     __version__ = _version("asynclock")
@@ -38,11 +45,13 @@ __all__ = [
     "LeaseContext",
     "LeaseEvent",
     "LeaseEventKind",
+    "LeaseGuard",
     "LeaseState",
     "LockBusy",
     "LockError",
     "LockLost",
     "LossReason",
+    "acquire",
     "lease",
 ]
 

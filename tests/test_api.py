@@ -21,11 +21,13 @@ def test_public_names_are_pinned() -> None:
         "LeaseContext",
         "LeaseEvent",
         "LeaseEventKind",
+        "LeaseGuard",
         "LeaseState",
         "LockBusy",
         "LockError",
         "LockLost",
         "LossReason",
+        "acquire",
         "lease",
     }
     for name in asynclock.__all__:

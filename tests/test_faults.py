@@ -412,9 +412,9 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
     the release is in flight, and its command lands after the release's delete: it finds
     the key gone, which is the release's own doing, not a loss. (The wrapped release makes
     that order certain: the check runs after the release script has answered.)"""
-    import asynclock._lease as lease_module
+    import asynclock._release as release_module
 
-    real_release = lease_module._release
+    real_release = release_module._release
     answers: list[object] = []
 
     async def release_then_check(held: asynclock.Lease, **kwargs: Any) -> object:
@@ -428,7 +428,7 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
                 answers.append(exc)
         return outcome
 
-    monkeypatch.setattr(lease_module, "_release", release_then_check)
+    monkeypatch.setattr(release_module, "_release", release_then_check)
     events: list[asynclock.LeaseEvent] = []
     async with asynclock.lease(
         client, "checked", ttl=30, prefix=prefix, on_event=events.append

@@ -39,3 +39,11 @@ def hook(event: asynclock.LeaseEvent) -> None:
 async def with_hook(redis: Redis) -> None:
     async with asynclock.lease(redis, "x", on_event=hook, blocking=False):
         pass
+
+
+async def held_without_a_block(redis: Redis) -> None:
+    lock = await asynclock.acquire(redis, "partition-7", ttl=30, on_event=hook)
+    assert_type(lock, Lease)
+    async with lock.guard() as guarded:
+        assert_type(guarded, Lease)
+    await lock.release()

@@ -1,0 +1,204 @@
+"""The two ways in: ``async with lease(...)`` (a guarded block) and ``await acquire(...)``
+(a lease held until ``release()``).
+
+Design note. Both take the lock the same way (``take``: one ``Acquisition``, see
+``_acquire``) and build the ``Lease`` and schedule its watchdog with no await in between,
+so a cancellation cannot fall between the grant and the lease that owns it. The block
+then enters a cancel scope around its body; its exit releases the lease inside that scope
+made a shield (cheaper than a scope of its own) unless the scope cancelled the body, in
+which case it is left first (it would cancel the release too).
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from redis.asyncio import Redis
+
+from ._acquire import Acquisition
+from ._connections import companion_for
+from ._events import EventHook, LeaseEventKind
+from ._lease import Lease, LeaseState
+from ._options import LeaseOptions
+from ._release import give_back, settle, unretain
+
+__all__ = ["LeaseContext", "acquire", "lease"]
+
+
+async def take(redis: Redis, options: LeaseOptions, hook: EventHook | None) -> Lease:
+    """Acquire the lock of ``options`` (see ``Acquisition``): the held lease, not yet
+    watched (the caller starts it without awaiting first)."""
+    companion = companion_for(redis)
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await Acquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+
+
+class LeaseContext:
+    """The async context manager returned by :func:`lease`; single use."""
+
+    __slots__ = ("_hook", "_lease", "_options", "_redis")
+
+    def __init__(self, redis: Redis, options: LeaseOptions, hook: EventHook | None) -> None:
+        self._redis: Redis | None = redis  # None once entered
+        self._options = options
+        self._hook = hook
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        redis = self._redis
+        if redis is None:
+            raise RuntimeError("a lease() context manager can be entered only once")
+        self._redis = None
+        held = await take(redis, self._options, self._hook)
+        self._lease = held
+        scope = held._companion.cancel_scope()
+        scope.__enter__()
+        held._start(scope)
+        held._event(LeaseEventKind.ACQUIRED)
+        return held
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        held = self._lease
+        if held is not None and held._closing:
+            raise RuntimeError("this lease() context manager has already exited")
+        if held is None or held._scope is None:
+            raise RuntimeError("__aexit__ called without a successful __aenter__")
+        scope = held._scope
+        # A block that ran past its safe deadline, with no await for the deadline's timer
+        # to land in (a blocking call, a CPU-bound stretch), did not finish in time.
+        overran = held._state_active and held._companion.loop.time() >= held._safe_until
+        held._closing = True  # from here on a loss can no longer cancel the block
+        if overran:
+            held._deadline_passed("the exit")
+        # Usually the release runs inside the block's own scope, made a shield (it is the
+        # innermost scope now): cheaper than a scope of its own. A scope that cancelled
+        # the block (the lease was lost) is left first, since it would cancel the release.
+        inside = not scope.cancel_called
+        if inside:
+            scope.shield = True
+            swallowed = False
+        else:
+            swallowed = bool(scope.__exit__(exc_type, exc, tb))
+        body_error = None if swallowed else exc
+        contested = False
+        try:
+            try:
+                contested = await give_back(held, shielded=inside)
+            finally:
+                if inside:
+                    scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
+        finally:
+            await settle(held, contested=contested)
+        if held.state is LeaseState.LOST:  # (our scope only cancels the body then)
+            held._raise_loss(body_error, "this block")
+
+
+def lease(
+    redis: Redis,
+    name: str,
+    *,
+    ttl: float = 10.0,
+    blocking: bool = True,
+    blocking_timeout: float | None = None,
+    release_timeout: float = 2.0,
+    prefix: str = "asynclock:",
+    on_event: EventHook | None = None,
+) -> LeaseContext:
+    """Hold the lock ``name`` for the duration of an ``async with`` block.
+
+    Args:
+        redis: a ``redis.asyncio.Redis`` client (``decode_responses`` either way).
+        name: the lock's name; non-empty.
+        ttl: seconds the key lives in Redis unless renewed; the watchdog renews it every
+            ``ttl / 3``. At least 0.03.
+        blocking: wait for the lock (True) or make one attempt (False).
+        blocking_timeout: with ``blocking=True``, the most seconds to wait; None waits
+            until acquired (the caller's own ``asyncio.timeout`` works too).
+        release_timeout: seconds allowed for the release on exit; past it the key is left
+            to expire by its TTL.
+        prefix: prepended to every key and channel of the lock.
+        on_event: called with a :class:`LeaseEvent` at each step of the lease's life.
+
+    Raises (when the block is entered):
+        LockBusy: ``blocking=False`` and another owner holds the lock.
+        AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``).
+        redis.exceptions.RedisError: Redis refused or could not be reached.
+
+    Raises (when the block exits):
+        LockLost: the lease was lost while the block ran (the block was cancelled). An
+            exception raised by the block itself propagates instead, with a note.
+
+    ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
+    """
+    options = _options(redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix)
+    _check_hook(on_event)
+    return LeaseContext(redis, options, on_event)
+
+
+async def acquire(
+    redis: Redis,
+    name: str,
+    *,
+    ttl: float = 10.0,
+    blocking: bool = True,
+    blocking_timeout: float | None = None,
+    release_timeout: float = 2.0,
+    prefix: str = "asynclock:",
+    on_event: EventHook | None = None,
+) -> Lease:
+    """Take the lock ``name`` and hold it, renewed by the watchdog, until
+    ``await lease.release()``: no task of the caller's holds it.
+
+    For leases whose holding outlives any one stretch of work (a partition owned by this
+    process, leadership). A loss cannot cancel work that nothing guards: run the work
+    that must stop with the lease inside ``async with lease.guard():``, or check
+    ``await lease.is_held()`` before each step, and pass ``lease.fencing_token`` to what
+    the work writes. Always call ``release()``: until then the lease is renewed, even
+    once nothing refers to it.
+
+    The arguments, their units and the errors raised while acquiring are those of
+    :func:`lease`; ``TypeError``/``ValueError`` for bad arguments are raised before any
+    I/O. A cancellation while acquiring leaves no key behind.
+    """
+    options = _options(redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix)
+    _check_hook(on_event)
+    held = await take(redis, options, on_event)
+    held._start(None)
+    held._event(LeaseEventKind.ACQUIRED)
+    return held
+
+
+def _options(
+    redis: Redis,
+    name: str,
+    ttl: float,
+    blocking: bool,
+    blocking_timeout: float | None,
+    release_timeout: float,
+    prefix: str,
+) -> LeaseOptions:
+    return LeaseOptions.cached(
+        redis,
+        name,
+        ttl=ttl,
+        blocking=blocking,
+        blocking_timeout=blocking_timeout,
+        release_timeout=release_timeout,
+        prefix=prefix,
+    )
+
+
+def _check_hook(on_event: object) -> None:
+    if on_event is not None and not callable(on_event):
+        raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")

@@ -1,0 +1,210 @@
+"""Giving a lease back: the owner-checked release, or a handoff to this client's next waiter.
+
+Design note. The release runs shielded from cancellation and every exchange ends within
+``release_timeout`` (see ``_shield.finish_idempotent``): a dead Redis never hangs an exit,
+the key then expires by its TTL. With a waiter in this client's line the HANDOFF script
+gives it the key in the same round trip (see ``_wakeup``). A release's "not ours" answer
+is a proven loss only when it is the first attempt's and arrived before ``safe_until``
+(see ``_release``); anything else proves nothing and is not reported as a loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Final
+
+from redis.exceptions import MaxConnectionsError
+
+from ._acquire import HANDOFF_PATIENCE_MS, fence_ttl_ms, register_ms, unregister
+from ._connections import Companion
+from ._events import LeaseEventKind
+from ._exceptions import LossReason
+from ._scripts import HANDOFF, RELEASE, UNKNOWN_OUTCOME, Arg, Script
+from ._shield import finish, finish_idempotent
+from ._wakeup import Waiter
+
+if TYPE_CHECKING:
+    from ._lease import Lease
+
+__all__ = ["give_back", "settle", "unretain"]
+
+log = logging.getLogger("asynclock")
+
+_CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
+
+
+async def give_back(held: Lease, *, shielded: bool) -> bool:
+    """Stop renewing and release the key (shielded; every exchange ends within
+    release_timeout), or hand it to the next waiter of this client's line. Returns
+    True when the release let waiters of other clients compete (see
+    ``WaitingRoom.wake_with_others``).
+
+    A renewal of this lease may still be in flight in a batch with other leases'; it
+    is not waited for: the renew script is owner-checked, so landing after the
+    release it changes nothing, and its reply is ignored once the lease is closing.
+    """
+    if held.lost_reason is LossReason.NOT_OWNER:
+        return False  # the key is known not to be ours
+    runs = 0
+    # The next waiter in this client's line, if any, is handed the key directly.
+    successor = held._companion.room.head(held._options.channel)
+    if successor is not None and (successor.offered or successor.grant is not None):
+        successor = None
+    t_offer = held._companion.loop.time()
+    channel = held._options.channel
+    room = held._companion.room
+    if successor is not None:
+        successor.offered = True  # from now on the key may hold its token
+        room.set_registered(channel, True)  # HANDOFF may register us; replies refine it
+    limit = held._options.release_timeout
+    deadline = t_offer + limit
+
+    def release() -> Coroutine[Any, Any, _Outcome | None]:
+        nonlocal runs
+        runs += 1  # a second run (after a native cancellation) is not definitive
+        return _release(
+            held, first=runs == 1, successor=successor, t_offer=t_offer, deadline=deadline
+        )
+
+    try:
+        released = await finish_idempotent(release, limit, shield=not shielded)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning(
+            "asynclock: release of %r did not complete (%r); its key expires by its TTL",
+            held.name,
+            exc,
+        )
+        held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
+        return False
+    if released is _Outcome.NOT_OURS:
+        if held._state_active:
+            held._lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
+    elif released is not None:
+        held._event(LeaseEventKind.RELEASED)
+    if successor is not None and not room.waiting(channel) and room.registered(channel):
+        room.in_background(unregister(held._companion, held._options))  # line emptied
+    return released is _Outcome.CONTESTED
+
+
+class _Outcome(enum.Enum):
+    """What a release found."""
+
+    RELEASED = "released"  # deleted, waiters notified
+    CONTESTED = "contested"  # deleted, waiters notified, waiters of other clients registered
+    HANDED = "handed"  # handed to the next waiter of this client
+    NOT_OURS = "not ours"  # definitively not our key (see _release)
+
+
+async def _release(
+    held: Lease, *, first: bool, successor: Waiter | None, t_offer: float, deadline: float
+) -> _Outcome | None:
+    """Release ``held``. Returns NOT_OURS if Redis answered that the key was not ours
+    while we still believed we held it (the work may have overlapped another holder); None
+    if that answer proves nothing: a retry after a lost reply (the first attempt may have
+    released the key), or a reply that arrived at or after the safe deadline. Redis ran
+    the script at some moment before its reply arrived, and the key cannot expire by its
+    TTL before ``safe_until``; so only a reply received before ``safe_until`` proves the
+    key went early. One sent earlier but answered later may have found the key expired
+    by its TTL after the block had finished in time, which is no loss.
+
+    With a ``successor`` (the head of this client's line for the lock) the HANDOFF script
+    gives it the key in the same round trip unless a waiter of another client is
+    registered; the successor's lease counts from ``t_offer``, taken before the first send.
+    Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``.
+    """
+    companion = held._companion
+    options = held._options
+    script: Script
+    if successor is None:
+        script = RELEASE
+        keys = [options.key]
+        args: list[Arg] = [held._owner(), options.channel, companion.room.origin]
+    else:
+        script = HANDOFF
+        keys = [
+            options.key,
+            options.fence_key,
+            options.void_key(successor.token),
+            options.waiting_key,
+        ]
+        args = [
+            held._owner(),
+            successor.token,
+            successor.ttl_ms,
+            fence_ttl_ms(successor.ttl_ms),
+            options.channel,
+            companion.room.origin,
+            "keep" if companion.room.waiting(options.channel) > 1 else "drop",
+            register_ms(successor.ttl_ms),
+            HANDOFF_PATIENCE_MS,
+        ]
+    try:
+        reply = await script(companion.lane, keys, args, deadline)
+    except MaxConnectionsError:  # the caller's pool is full: nothing was sent
+        async with asyncio.timeout_at(deadline):
+            reply = await script(companion.overflow(), keys, args)
+    except UNKNOWN_OUTCOME as exc:
+        log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
+        first = False
+        if successor is not None:  # the first run may have registered us as waiting
+            companion.room.set_registered(options.channel, True)
+        async with asyncio.timeout_at(deadline):
+            reply = await script(companion.overflow(), keys, args)
+    if successor is None:
+        if reply == 1:
+            return _Outcome.RELEASED
+    else:
+        status, fence = (int(x) for x in reply)  # type: ignore[attr-defined]
+        room = companion.room
+        if status == 3 and first:
+            # The next holder took the key by an attempt of its own: ours was gone before
+            # the release (its own reply tells it so; it is only woken here).
+            successor.event.set()
+            return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+        if status in (1, 3):  # (3 on a retry: our first run's handoff had landed)
+            successor.grant = (fence, t_offer)  # the script set or renewed its expiry
+            successor.event.set()
+            room.set_registered(options.channel, args[6] == "keep")
+            return _Outcome.HANDED
+        successor.offered = False  # a definitive answer: the key was not handed over
+        if status == 2:
+            room.set_registered(options.channel, True)
+            return _Outcome.CONTESTED
+        if status == 4:  # the next holder gave up; released as RELEASE does
+            room.set_registered(options.channel, args[6] == "keep")
+            return _Outcome.RELEASED
+    return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+
+
+def _proves_loss(held: Lease, first: bool) -> bool:
+    """Whether a release's answer that the key was not ours, just received, proves the key
+    went early: the first attempt's, received before ``safe_until`` (see ``_release``)."""
+    return first and held._companion.loop.time() < held.safe_until
+
+
+async def unretain(companion: Companion) -> None:
+    if companion.unretain():
+        try:
+            await finish(companion.aclose_if_idle(), _CLOSE_LIMIT)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("asynclock: closing side connections failed: %r", exc)
+
+
+async def settle(held: Lease, *, contested: bool) -> None:
+    """After ``give_back`` (whatever its outcome): mark the lease ended, wake the waiters
+    of this client (and of others, when ``contested``), and let go of the companion."""
+    held._end()
+    held._scope = None
+    room = held._companion.room
+    if contested:
+        room.wake_with_others(held._options.channel)
+    else:
+        room.wake(held._options.channel)
+    await unretain(held._companion)

@@ -1,0 +1,334 @@
+"""``await acquire(...)``: a lease held without a task of the caller's until ``release()``,
+with ``guard()`` for the stretches of work that must stop when it is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+import pytest
+from helpers import wait_until
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import LeaseEventKind, LeaseState, LockBusy, LockLost, LossReason
+from asynclock._connections import companion_for
+from asynclock.testing import FaultProxy, ProxyMode, RedisServer
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def test_acquired_lease_is_renewed_until_released(client: Redis, prefix: str):
+    """The key holds token and fence; renewals keep a 0.3 s lease for 1.5 s with no task
+    of the caller's; a rival is refused; release() deletes the key, and again is a no-op."""
+    ttl = 0.3
+    lock = await asynclock.acquire(client, "held", ttl=ttl, prefix=prefix)
+    assert lock.state is LeaseState.HELD
+    assert text(await client.get(lock.key)) == f"{lock.token}:{lock.fencing_token}"
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        with pytest.raises(LockBusy):
+            async with asynclock.lease(client, "held", ttl=5, prefix=prefix, blocking=False):
+                pass
+        assert 0 < await client.pttl(lock.key) <= ttl * 1000
+        await asyncio.sleep(0.1)
+    assert lock.state is LeaseState.HELD
+    assert await lock.is_held(verify=True)
+    await lock.release()
+    assert lock.state is LeaseState.RELEASED
+    assert await client.exists(lock.key) == 0
+    await lock.release()  # calling again does nothing more
+    assert not await lock.is_held()
+
+
+async def test_release_wakes_a_waiter_at_once(client: Redis, make_client: Any, prefix: str):
+    """A waiter of another client takes the lock right after release(), not at the TTL."""
+    other = make_client()
+    lock = await asynclock.acquire(client, "handed", ttl=30, prefix=prefix)
+    taken = asyncio.Event()
+
+    async def waiter() -> None:
+        async with asynclock.lease(other, "handed", ttl=30, prefix=prefix):
+            taken.set()
+
+    async def subscribed() -> bool:
+        return f"{prefix}{{handed}}:released" in companion_for(other).room._confirmed
+
+    task = asyncio.create_task(waiter())
+    await wait_until(subscribed, what="the waiter's subscription")
+    assert not taken.is_set()
+    started = time.monotonic()
+    await lock.release()
+    with anyio.fail_after(1.0):
+        await taken.wait()
+    assert time.monotonic() - started < 1.0
+    await task
+
+
+@pytest.mark.parametrize("how", ["delete", "overwrite"])
+async def test_loss_cancels_every_open_guard_and_its_tasks(client: Redis, prefix: str, how: str):
+    """A loss cancels the open guards of two tasks and their task groups' tasks; each
+    guard raises one LockLost; release() reports the loss and never deletes a foreign key."""
+    lock = await asynclock.acquire(client, "guarded", ttl=0.9, prefix=prefix)
+    cancelled: list[str] = []
+    raised: list[BaseException] = []
+    opened = 0
+    both_open = asyncio.Event()
+
+    async def sleeper(tag: str) -> None:
+        try:
+            await anyio.sleep_forever()
+        except BaseException:
+            cancelled.append(tag)
+            raise
+
+    async def worker(tag: str) -> None:
+        nonlocal opened
+        try:
+            async with lock.guard(), anyio.create_task_group() as tg:
+                tg.start_soon(sleeper, tag + "-child")
+                opened += 1
+                if opened == 2:
+                    both_open.set()
+                await sleeper(tag)
+        except BaseException as exc:
+            raised.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker, "a")
+        tg.start_soon(worker, "b")
+        await both_open.wait()
+        removed_at = time.monotonic()
+        if how == "delete":
+            await client.delete(lock.key)
+        else:
+            await client.set(lock.key, "someone-else", px=60_000)
+    detected = time.monotonic() - removed_at
+    assert sorted(cancelled) == ["a", "a-child", "b", "b-child"]
+    assert [type(exc) for exc in raised] == [LockLost, LockLost]
+    assert all(exc.reason is LossReason.NOT_OWNER for exc in raised)  # type: ignore[attr-defined]
+    assert detected < 0.9 / 3 + 0.5, detected
+    assert lock.state is LeaseState.LOST
+    with pytest.raises(LockLost):
+        await lock.release()
+    with pytest.raises(LockLost):
+        await lock.release()  # again: the same answer
+    if how == "overwrite":
+        assert text(await client.get(lock.key)) == "someone-else"
+    else:
+        assert await client.exists(lock.key) == 0
+
+
+async def test_guard_outside_the_lease_s_life_is_refused(client: Redis, prefix: str):
+    """guard() on a lost lease raises LockLost at entry; on a released one, RuntimeError;
+    on a block's lease, RuntimeError; release() with a guard open or of a block's lease,
+    RuntimeError, before any I/O."""
+    lock = await asynclock.acquire(client, "refused", ttl=30, prefix=prefix)
+    async with lock.guard():
+        with pytest.raises(RuntimeError, match="guard"):
+            await lock.release()
+        assert await client.exists(lock.key) == 1
+    guard = lock.guard()
+    async with guard:
+        pass
+    with pytest.raises(RuntimeError, match="once"):
+        await guard.__aenter__()
+    await lock.release()
+    with pytest.raises(RuntimeError, match="released"):
+        async with lock.guard():
+            pass
+
+    gone = asyncio.Event()
+    lost = await asynclock.acquire(
+        client,
+        "lost",
+        ttl=0.6,
+        prefix=prefix,
+        on_event=lambda e: gone.set() if e.kind is LeaseEventKind.LOST else None,
+    )
+    await client.delete(lost.key)
+    with anyio.fail_after(2.0):
+        await gone.wait()
+    ran = False
+    with pytest.raises(LockLost):
+        async with lost.guard():
+            ran = True
+    assert not ran
+    with pytest.raises(LockLost):
+        await lost.release()
+
+    async with asynclock.lease(client, "block", ttl=30, prefix=prefix) as block:
+        with pytest.raises(RuntimeError, match="async with"):
+            await block.release()
+        with pytest.raises(RuntimeError, match="guarded already"):
+            async with block.guard():
+                pass
+        assert await client.exists(block.key) == 1
+
+
+async def test_guarded_code_keeps_its_own_error(client: Redis, prefix: str):
+    """Guarded code that fails while the lease is being lost raises its own error, with a
+    note; code that fails while the lease is held raises it plain and keeps the lease."""
+    lock = await asynclock.acquire(client, "errors", ttl=0.6, prefix=prefix)
+    with pytest.raises(ValueError, match="plain") as plain:
+        async with lock.guard():
+            raise ValueError("plain")
+    assert not getattr(plain.value, "__notes__", [])
+    assert lock.state is LeaseState.HELD
+    with pytest.raises(KeyError) as caught:
+        async with lock.guard():
+            await client.delete(lock.key)
+            try:
+                await anyio.sleep_forever()
+            finally:
+                raise KeyError("cleanup failed")
+    assert any("lost" in note for note in getattr(caught.value, "__notes__", []))
+    assert lock.state is LeaseState.LOST
+    with pytest.raises(LockLost):
+        await lock.release()
+
+
+async def test_stopped_server_stops_the_guard_before_the_key_can_expire(
+    private_server: RedisServer, prefix: str
+):
+    """SIGSTOP: the open guard is cancelled by the deadline before the key's expiry (read
+    with the server's clock), while the server is still stopped; release() then reports
+    LockLost(deadline) within its bound."""
+    ttl = 3.0
+    client = Redis.from_url(private_server.url)
+    observer = Redis.from_url(private_server.url)
+    renewed = asyncio.Event()
+    cancelled_at: list[float] = []
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        if event.kind is LeaseEventKind.RENEWED:
+            renewed.set()
+
+    try:
+        lock = await asynclock.acquire(
+            client, "paused", ttl=ttl, prefix=prefix, on_event=on_event, release_timeout=0.3
+        )
+        with pytest.raises(LockLost) as caught:
+            async with lock.guard():
+                await renewed.wait()
+                expires_at_ms = int(await observer.execute_command("PEXPIRETIME", lock.key))
+                private_server.pause()
+                paused_at = time.monotonic()
+                try:
+                    await anyio.sleep_forever()
+                except BaseException:
+                    cancelled_at.append(time.time() * 1000)
+                    assert private_server.is_paused
+                    raise
+        elapsed = time.monotonic() - paused_at
+        assert caught.value.reason is LossReason.DEADLINE
+        started = time.monotonic()
+        with pytest.raises(LockLost):
+            await lock.release()
+        assert time.monotonic() - started < 0.3 + 1.0
+    finally:
+        private_server.resume()
+        await client.aclose()
+        await observer.aclose()
+    assert cancelled_at, "the guard was not cancelled"
+    assert expires_at_ms - cancelled_at[0] > 0, "cancelled after the key could expire"
+    assert elapsed < ttl + 1.0, elapsed
+
+
+async def test_release_survives_cancellation_in_flight(private_server: RedisServer, prefix: str):
+    """A cancellation that lands while release() waits on Redis does not stop it."""
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        try:
+            lock = await asynclock.acquire(client, "slow-release", ttl=30, prefix=prefix)
+            proxy.set_mode(ProxyMode.DELAY, delay=0.2)
+            task = asyncio.create_task(lock.release())
+            await asyncio.sleep(0.05)  # the release is waiting on the delayed reply
+            started = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - started >= 0.1  # the release was waited for
+            assert await observer.exists(lock.key) == 0
+            assert lock.state is LeaseState.RELEASED
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await client.aclose()
+            await observer.aclose()
+
+
+async def test_cancelled_acquire_leaves_no_key(client: Redis, make_client: Any, prefix: str):
+    """acquire() cancelled after 0 to 150 loop steps, on a free lock and on one held by
+    another client: no key of the cancelled attempt is left, a completed one is released,
+    and no waiter is left in line. Cancellations land both in flight and after the grant."""
+    holder_client = make_client()
+    holder = await asynclock.acquire(holder_client, "taken", ttl=60, prefix=prefix)
+    holder_value = f"{holder.token}:{holder.fencing_token}"
+    outcomes = {"cancelled": 0, "acquired": 0}
+    for steps in range(0, 150, 2):
+        for name in ("free", "taken"):
+            task = asyncio.create_task(asynclock.acquire(client, name, ttl=30, prefix=prefix))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                lock = await task
+            except asyncio.CancelledError:
+                outcomes["cancelled"] += 1
+            else:
+                outcomes["acquired"] += 1
+                await lock.release()
+            assert await client.get(prefix + "{free}") is None
+            assert text(await client.get(prefix + "{taken}")) == holder_value
+            assert not companion_for(client).room._lines
+    await asyncio.sleep(0.3)  # an abandoned attempt still on its way must not land
+    assert await client.get(prefix + "{free}") is None
+    assert outcomes["cancelled"] >= 20, outcomes
+    assert outcomes["acquired"] >= 10, outcomes
+    await holder.release()
+
+
+async def test_bad_input_raises_before_io() -> None:
+    """acquire() validates its arguments as lease() does, before any I/O."""
+    unreachable = Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    try:
+        with pytest.raises(ValueError, match="ttl"):
+            await asynclock.acquire(unreachable, "job", ttl=0)
+        with pytest.raises(TypeError, match="name"):
+            await asynclock.acquire(unreachable, 42)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="on_event"):
+            await asynclock.acquire(unreachable, "job", on_event="print")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="redis"):
+            await asynclock.acquire(object(), "job")  # type: ignore[arg-type]
+    finally:
+        await unreachable.aclose()
+
+
+async def test_many_acquired_leases_held_and_released(client: Redis, prefix: str):
+    """200 leases of one client are all kept alive by coalesced renewals and released."""
+    renewals: dict[str, int] = {}
+    renewed_twice = asyncio.Event()
+
+    def count(event: asynclock.LeaseEvent) -> None:
+        if event.kind is LeaseEventKind.RENEWED:
+            renewals[event.name] = renewals.get(event.name, 0) + 1
+            if len(renewals) == 200 and min(renewals.values()) >= 2:
+                renewed_twice.set()
+
+    leases = await asyncio.gather(
+        *(
+            asynclock.acquire(client, f"many-{i}", ttl=0.6, prefix=prefix, on_event=count)
+            for i in range(200)
+        )
+    )
+    with anyio.fail_after(5.0):
+        await renewed_twice.wait()
+    assert all(lease.state is LeaseState.HELD for lease in leases)
+    assert await client.exists(*(lease.key for lease in leases)) == 200
+    await asyncio.gather(*(lease.release() for lease in leases))
+    assert await client.exists(*(lease.key for lease in leases)) == 0
