@@ -75,12 +75,10 @@ class LeaseContext:
         if held is None or held._scope is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
         scope = held._scope
+        held._closing = True  # from here on a loss can no longer cancel the block
         # A block that ran past its safe deadline, with no await for the deadline's timer
         # to land in (a blocking call, a CPU-bound stretch), did not finish in time.
-        overran = held._state_active and held._companion.loop.time() >= held._safe_until
-        held._closing = True  # from here on a loss can no longer cancel the block
-        if overran:
-            held._deadline_passed("the exit")
+        held._overran("the exit")
         # Usually the release runs inside the block's own scope, made a shield (it is the
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
         # the block (the lease was lost) is left first, since it would cancel the release.

@@ -16,8 +16,10 @@ Giving the lease back is in ``_release``; acquiring is in ``_acquire``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
+import sys
 from types import TracebackType
 from typing import Final, final
 
@@ -79,6 +81,7 @@ class Lease:
         "_lost_cause",
         "_lost_reason",
         "_options",
+        "_released",
         "_safe_until",
         "_scope",
         "_state",
@@ -114,6 +117,7 @@ class Lease:
         self._due: float | None = None  # when the watchdog renews next (loop time)
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
         self._closing = False
+        self._released: asyncio.Event | None = None  # set once release() has finished
 
     # -- what the holder sees -----------------------------------------------------------
 
@@ -192,9 +196,12 @@ class Lease:
 
         Raises:
             LockLost: the lease is lost, or Redis answered that the key is no longer ours.
+            RuntimeError: the lease has been (or is being) given back.
             redis.exceptions.RedisError, TimeoutError: the renewal could not be confirmed
                 before the safe deadline; the lease is unchanged and the watchdog goes on.
         """
+        if self._closing and self._state is not LeaseState.LOST:
+            raise RuntimeError(f"the lease {self.name!r} has been released")
         if not self._held_locally():
             raise self._loss_error()
         before = cancelling()
@@ -208,15 +215,18 @@ class Lease:
         """Give back a lease taken with :func:`acquire`: stop renewing it and delete its
         key if it is still ours (or hand it to the next waiter of this client). Runs
         shielded from cancellation; every exchange ends within ``release_timeout``
-        seconds, past which the key is left to expire by its TTL (logged). Calling it
-        again does nothing more (it raises ``LockLost`` again for a lost lease).
+        seconds, past which the key is left to expire by its TTL (logged). Called again,
+        it sends nothing: it waits for the first call to finish and answers as it did.
 
         Raises:
             LockLost: the lease was lost before it was given back: the work done under it
-                may have overlapped another holder's (``reason`` says why).
+                may have overlapped another holder's (``reason`` says why). Called while
+                an exception propagates (in a ``finally`` or ``except`` clause), it adds a
+                note to that exception instead, so the loss never masks it.
             RuntimeError: the lease is an ``async with lease(...)`` block's (its exit
                 gives it back), or a ``guard()`` of it is still open.
         """
+        in_flight = sys.exc_info()[1]
         guards = self._guards
         if guards is None:
             raise RuntimeError(
@@ -225,21 +235,24 @@ class Lease:
             )
         if guards:
             raise RuntimeError(f"release() of {self.name!r} while a guard() of it is open")
-        if self._closing:  # (released, or being released, by an earlier call)
-            if self._state is LeaseState.LOST:
-                raise self._loss_error() from self._lost_cause
-            return
-        overran = self._state in _ACTIVE and self._companion.loop.time() >= self._safe_until
-        self._closing = True
-        if overran:  # the loop was blocked past the deadline: its timer had no chance
-            self._deadline_passed("the release")
-        contested = False
-        try:
-            contested = await give_back(self, shielded=False)
-        finally:
-            await settle(self, contested=contested)
+        if self._closing:  # released, or being released, by an earlier call
+            released = self._released
+            if released is not None:
+                await released.wait()  # (bounded: every step of a release is)
+        else:
+            self._closing = True
+            self._released = asyncio.Event()
+            contested = False
+            try:
+                self._overran("the release")
+                contested = await give_back(self, shielded=False)
+            finally:
+                try:
+                    await settle(self, contested=contested)
+                finally:
+                    self._released.set()
         if self._state is LeaseState.LOST:
-            raise self._loss_error() from self._lost_cause
+            self._raise_loss(in_flight, "the code that released it")
 
     def guard(self) -> LeaseGuard:
         """``async with lease.guard():`` runs a stretch of work that stops when a lease of
@@ -327,8 +340,21 @@ class Lease:
 
     def _deadline_passed(self, what: str) -> None:
         """``safe_until`` has passed (noticed by ``what``): log a stall, lose the lease."""
-        report_stall(self, self._safe_until, self._companion.loop.time(), what)
-        self._lose(LossReason.DEADLINE, self._lost_cause)
+        try:
+            report_stall(self, self._safe_until, self._companion.loop.time(), what)
+        finally:
+            self._lose(LossReason.DEADLINE, self._lost_cause)
+
+    def _overran(self, what: str) -> bool:
+        """At an exit (``what``: a block's, a guard's, a release): the lease is lost if its
+        deadline has passed without its timer running (the loop was blocked: a blocking
+        call, CPU-bound code). Returns whether it was. Never raises, so the exit always
+        finishes its cleanup (a log handler that fails is ignored here)."""
+        if self._state not in _ACTIVE or self._companion.loop.time() < self._safe_until:
+            return False
+        with contextlib.suppress(Exception):
+            self._deadline_passed(what)
+        return True
 
     async def _renew_once(self, limit: float) -> bool:
         """One renewal attempt of at most ``limit`` seconds.
@@ -451,10 +477,7 @@ class LeaseGuard:
         if scope is None or held._guards is None or scope not in held._guards:
             raise RuntimeError("a guard's __aexit__ without its __aenter__, or twice")
         held._guards = tuple(open_ for open_ in held._guards if open_ is not scope)
-        # Work that ran past the deadline without awaiting (the timer had no chance).
-        overran = held._state in _ACTIVE and held._companion.loop.time() >= held._safe_until
-        if overran:
-            held._deadline_passed("a guard's exit")
+        overran = held._overran("a guard's exit")  # (not cancelling this guard's scope)
         lost_here = held._state is LeaseState.LOST and (scope.cancel_called or overran)
         swallowed = bool(scope.__exit__(exc_type, exc, tb))
         if lost_here:

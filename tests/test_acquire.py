@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import wait_until
+from helpers import commandstat, wait_until
 from redis.asyncio import Redis
 
 import asynclock
@@ -23,13 +23,13 @@ def text(value: Any) -> str:
 
 
 async def test_acquired_lease_is_renewed_until_released(client: Redis, prefix: str):
-    """The key holds token and fence; renewals keep a 0.3 s lease for 1.5 s with no task
+    """The key holds token and fence; renewals keep a 1 s lease for 2.5 s with no task
     of the caller's; a rival is refused; release() deletes the key, and again is a no-op."""
-    ttl = 0.3
+    ttl = 1.0
     lock = await asynclock.acquire(client, "held", ttl=ttl, prefix=prefix)
     assert lock.state is LeaseState.HELD
     assert text(await client.get(lock.key)) == f"{lock.token}:{lock.fencing_token}"
-    deadline = time.monotonic() + 1.5
+    deadline = time.monotonic() + 2.5
     while time.monotonic() < deadline:
         with pytest.raises(LockBusy):
             async with asynclock.lease(client, "held", ttl=5, prefix=prefix, blocking=False):
@@ -265,12 +265,13 @@ async def test_release_survives_cancellation_in_flight(private_server: RedisServ
 async def test_cancelled_acquire_leaves_no_key(client: Redis, make_client: Any, prefix: str):
     """acquire() cancelled after 0 to 150 loop steps, on a free lock and on one held by
     another client: no key of the cancelled attempt is left, a completed one is released,
-    and no waiter is left in line. Cancellations land both in flight and after the grant."""
+    and no waiter is left in line. On the free lock, cancellations land both in flight and
+    (too late to cancel) after the grant."""
     holder_client = make_client()
     holder = await asynclock.acquire(holder_client, "taken", ttl=60, prefix=prefix)
     holder_value = f"{holder.token}:{holder.fencing_token}"
-    outcomes = {"cancelled": 0, "acquired": 0}
-    for steps in range(0, 150, 2):
+    outcomes = {"cancelled": 0, "acquired": 0, "free lock in flight": 0}
+    for steps in [*range(40), *range(40, 150, 5)]:
         for name in ("free", "taken"):
             task = asyncio.create_task(asynclock.acquire(client, name, ttl=30, prefix=prefix))
             for _ in range(steps):
@@ -280,6 +281,8 @@ async def test_cancelled_acquire_leaves_no_key(client: Redis, make_client: Any, 
                 lock = await task
             except asyncio.CancelledError:
                 outcomes["cancelled"] += 1
+                if name == "free":
+                    outcomes["free lock in flight"] += 1
             else:
                 outcomes["acquired"] += 1
                 await lock.release()
@@ -290,6 +293,7 @@ async def test_cancelled_acquire_leaves_no_key(client: Redis, make_client: Any, 
     assert await client.get(prefix + "{free}") is None
     assert outcomes["cancelled"] >= 20, outcomes
     assert outcomes["acquired"] >= 10, outcomes
+    assert outcomes["free lock in flight"] >= 3, outcomes
     await holder.release()
 
 
@@ -332,3 +336,139 @@ async def test_many_acquired_leases_held_and_released(client: Redis, prefix: str
     assert await client.exists(*(lease.key for lease in leases)) == 200
     await asyncio.gather(*(lease.release() for lease in leases))
     assert await client.exists(*(lease.key for lease in leases)) == 0
+
+
+async def test_release_never_deletes_a_foreign_key(client: Redis, prefix: str):
+    """A key taken over before any renewal noticed: release() raises LockLost(not_owner)
+    and leaves the other holder's value alone."""
+    lock = await asynclock.acquire(client, "foreign", ttl=30, prefix=prefix)
+    await client.set(lock.key, "someone-else", px=60_000)
+    with pytest.raises(LockLost) as caught:
+        await lock.release()
+    assert caught.value.reason is LossReason.NOT_OWNER
+    assert text(await client.get(lock.key)) == "someone-else"
+
+
+async def test_release_in_finally_does_not_mask_the_code_s_error(client: Redis, prefix: str):
+    """In the README's pattern, a failure of the guarded code while the lease is lost comes
+    out as itself (with notes), not as the LockLost of release() in the finally."""
+    lock = await asynclock.acquire(client, "masked", ttl=0.6, prefix=prefix)
+    with pytest.raises(KeyError) as caught:
+        try:
+            async with lock.guard():
+                await client.delete(lock.key)
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    raise KeyError("cleanup failed")
+        finally:
+            await lock.release()
+    assert any("lost" in note for note in getattr(caught.value, "__notes__", []))
+    assert lock.state is LeaseState.LOST
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+async def test_concurrent_releases_wait_for_the_first(client: Redis, prefix: str, overwrite: bool):
+    """A second release() while the first is in flight returns only once the key is given
+    back, and answers as the first did (LockLost for both when the key was not ours)."""
+    lock = await asynclock.acquire(client, "twice", ttl=30, prefix=prefix)
+    if overwrite:
+        await client.set(lock.key, "someone-else", px=60_000)
+
+    async def second() -> int:
+        await lock.release()
+        return int(await client.exists(lock.key))
+
+    first, then = await asyncio.gather(lock.release(), second(), return_exceptions=True)
+    if overwrite:
+        assert type(first) is LockLost
+        assert type(then) is LockLost
+        assert text(await client.get(lock.key)) == "someone-else"
+    else:
+        assert (first, then) == (None, 0)
+    assert lock.state is (LeaseState.LOST if overwrite else LeaseState.RELEASED)
+
+
+async def test_a_guard_cancelled_by_its_caller_is_no_loss(client: Redis, prefix: str):
+    """The caller's own timeout or cancel scope around a guard stops it as usual: no
+    LockLost, and the lease stays held."""
+    lock = await asynclock.acquire(client, "timeouts", ttl=30, prefix=prefix)
+    with anyio.move_on_after(0.05) as scope:
+        async with lock.guard():
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05), lock.guard():
+            await anyio.sleep_forever()
+    assert lock.state is LeaseState.HELD
+    assert await lock.is_held(verify=True)
+    await lock.release()
+    assert await client.exists(lock.key) == 0
+
+
+async def test_a_guard_that_overruns_the_deadline_without_awaiting(client: Redis, prefix: str):
+    """Work that blocks the loop past the deadline cannot be cancelled; the guard's exit
+    raises LockLost(deadline), another open guard is cancelled, release() reports it."""
+    ttl = 0.5
+    lock = await asynclock.acquire(client, "blocked", ttl=ttl, prefix=prefix)
+    other_open = asyncio.Event()
+    other_outcome: list[BaseException] = []
+
+    async def other() -> None:
+        try:
+            async with lock.guard():
+                other_open.set()
+                await anyio.sleep_forever()
+        except BaseException as exc:
+            other_outcome.append(exc)
+
+    task = asyncio.create_task(other())
+    await other_open.wait()
+    with pytest.raises(LockLost) as caught:
+        async with lock.guard():
+            time.sleep(ttl + 0.15)  # noqa: ASYNC251 - the overrun under test
+    await task
+    assert caught.value.reason is LossReason.DEADLINE
+    assert [type(exc) for exc in other_outcome] == [LockLost]
+    with pytest.raises(LockLost):
+        await lock.release()
+
+
+async def test_release_in_a_cancelled_scope_still_gives_the_key_back(client: Redis, prefix: str):
+    """release() called inside an anyio scope that is already cancelled still deletes the
+    key (it is shielded)."""
+    lock = await asynclock.acquire(client, "shielded", ttl=30, prefix=prefix)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await lock.release()
+    assert lock.state is LeaseState.RELEASED
+    assert await client.exists(lock.key) == 0
+
+
+async def test_release_hands_the_key_to_a_waiter_of_the_same_client(client: Redis, prefix: str):
+    """With a waiter of the same client in line, release() hands it the key in its own
+    round trip: the waiter's value is in the key, with a greater fencing token."""
+    lock = await asynclock.acquire(client, "handoff", ttl=30, prefix=prefix)
+    channel = prefix + "{handoff}:released"
+    values: list[str] = []
+    fences: list[int] = []
+
+    async def waiter() -> None:
+        async with asynclock.lease(client, "handoff", ttl=30, prefix=prefix) as next_:
+            values.append(text(await client.get(next_.key)))
+            fences.append(next_.fencing_token)
+            assert values[0] == f"{next_.token}:{next_.fencing_token}"
+
+    task = asyncio.create_task(waiter())
+
+    async def in_line() -> bool:
+        return companion_for(client).room.waiting(channel) == 1
+
+    await wait_until(in_line, what="the waiter in line")
+    scripts_before = await commandstat(client, "evalsha")
+    await lock.release()
+    await task
+    assert fences[0] > lock.fencing_token
+    # one script between the release and the next holder in: the handoff itself (the
+    # waiter's release on exit is the second)
+    assert await commandstat(client, "evalsha") - scripts_before == 2
