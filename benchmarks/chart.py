@@ -1,5 +1,8 @@
 """``results.png``: one panel per figure, asynclock highlighted, targets as dashed lines.
 
+asynclock's two forms are both highlighted; the memory panel's target line (aioredlock) is
+the target of its ``acquire()`` form (see ``report.FORMS``).
+
 Needs matplotlib (the ``bench`` extra); importing this module raises ImportError without it.
 """
 
@@ -23,6 +26,8 @@ __all__ = ["plot"]
 
 SELF = "asynclock"
 SELF_COLOR = "#d62728"
+#: asynclock's forms, each highlighted: `async with` in red, `acquire()` in orange.
+SELF_COLORS = {SELF: SELF_COLOR, "asynclock-acquire": "#ff7f0e"}
 PEER_COLOR = "#7f93b2"
 SECOND_ALPHA = 0.45
 
@@ -85,7 +90,13 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel("hold", ("cpu_pct",), (), "Holding many leases: CPU", "% of one core"),
     Panel("hold", ("us_per_renewal",), (), "Holding many leases: CPU per renewal", "µs"),
-    Panel("hold", ("kib_per_lease",), (), "Holding many leases: RSS per lease", "KiB"),
+    Panel(
+        "hold",
+        ("kib_per_lease",),
+        (),
+        "Holding many leases: RSS per lease (target: acquire() < aioredlock)",
+        "KiB",
+    ),
     Panel(
         "hold", ("lost",), (), "Holding many leases: leases lost, worst run", "leases", worst=True
     ),
@@ -151,7 +162,7 @@ def _panel(ax: Axes, results: Results, panel: Panel) -> None:
             low.append(max(0.0, value - lo * panel.scale) if not math.isnan(lo) else 0.0)
             high.append(max(0.0, hi * panel.scale - value) if not math.isnan(hi) else 0.0)
         positions = [y + (index - (count - 1) / 2) * height for y in range(len(peers))]
-        colors = [SELF_COLOR if p == SELF else PEER_COLOR for p in peers]
+        colors = [SELF_COLORS.get(p, PEER_COLOR) for p in peers]
         bars = ax.barh(
             positions,
             [0.0 if math.isnan(v) else v for v in medians],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .aioredlock_peer import AioredlockPeer
+from .asynclock_acquire_peer import AsynclockAcquirePeer
 from .asynclock_peer import AsynclockPeer
 from .base import (
     BURST,
@@ -41,9 +42,11 @@ __all__ = [
     "get_peer",
 ]
 
-#: Every peer, in the order of the tables: asynclock first, then the baselines.
+#: Every peer, in the order of the tables: asynclock first (its `async with` form, then its
+#: `acquire()` form), then the baselines.
 ALL_PEERS: tuple[type[Peer], ...] = (
     AsynclockPeer,
+    AsynclockAcquirePeer,
     RawPeer,
     RedisPyLockPeer,
     RedisPyLockFastPeer,

@@ -76,6 +76,13 @@ class AsyncSession(abc.ABC):
         """Acquire every name (at most ``concurrency`` at a time) and keep them renewed."""
         raise NotImplementedError
 
+    async def warm_up(self, name: str) -> None:
+        """Connect and load scripts before leases are held: one ``lock(name)`` cycle, so
+        that the RSS measured around ``hold_many`` is the leases'. A peer without a lock
+        API of its own overrides this."""
+        async with self.lock(name):
+            pass
+
     async def hold_tasks_only(self, names: Sequence[str], concurrency: int) -> Holding | None:
         """For a peer whose API holds each lease inside a task of the caller's: the same
         tasks as ``hold_many`` makes, each waiting in place of holding its lease (no lock

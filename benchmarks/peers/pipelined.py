@@ -61,6 +61,9 @@ class _Session(AsyncSession):
     def lock(self, name: str) -> AbstractAsyncContextManager[object]:
         raise NotImplementedError(_ONLY_HOLD)
 
+    async def warm_up(self, name: str) -> None:
+        return None  # no lock to warm up with; hold_many loads its scripts itself
+
     async def hold_many(self, names: Sequence[str], ttl: float, concurrency: int) -> Holding:
         holding = _Holding(self.client, names, ttl)
         await holding.start()

@@ -10,8 +10,9 @@ lost, and keys no longer in Redis.
 A peer whose API holds each lease inside a task of the caller's (asynclock's
 ``async with``) is measured once more, in another fresh child: the same tasks, each
 waiting where it would hold its lease, and no lock taken. The report shows the RSS per
-lease beyond those tasks next to the whole figure; for the other peers the two are the
-same, since they hold leases without a task of the caller's.
+lease beyond those tasks next to the whole figure; for the other peers (asynclock's
+``acquire()`` among them) the two are the same, since they hold leases without a task
+of the caller's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from redis.asyncio import Redis
 
 from ..child import Child
 from ..drive import BurstResult, burst_async, burst_threads
-from ..peers import CYCLE, AsyncPeer, AsyncSession, Peer, SyncSession, get_peer
+from ..peers import AsyncPeer, AsyncSession, Peer, SyncSession, get_peer
 from ..system import LogCollector, renewal_calls, rss_bytes
 from .common import Context, Measurement, in_session
 
@@ -121,9 +122,7 @@ async def _child_hold(
     await probe.ping()
     session = await peer.open(url)
     try:
-        if peer.supports(CYCLE):
-            async with session.lock(prefix + ":warm-up"):  # connect, load scripts
-                pass
+        await session.warm_up(prefix + ":warm-up")  # connect, load scripts
         names = [f"{prefix}:{i}" for i in range(leases)]
         gc.collect()
         rss_before = rss_bytes()
@@ -186,8 +185,7 @@ async def _child_tasks(
     (measured as ``_child_hold`` measures its leases, after the same warm-up)."""
     session = await peer.open(url)
     try:
-        async with session.lock(prefix + ":warm-up"):  # the same connections and scripts
-            pass
+        await session.warm_up(prefix + ":warm-up")  # the same connections and scripts
         names = [f"{prefix}:{i}" for i in range(leases)]
         gc.collect()
         rss_before = rss_bytes()
