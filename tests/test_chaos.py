@@ -351,8 +351,9 @@ def _chaos(*args: str, tmp: Path, timeout: float) -> tuple[int, str, str]:
 
 @needs_server
 def test_chaos_run_of_20_seconds(tmp_path: Path):
-    """Four workers of two contenders each, three locks, 20 s of faults of every kind:
-    every check passes."""
+    """Four workers of two contenders each, three locks, 20 s of faults of every kind,
+    half the rounds held with ``async with lease`` and half with ``acquire()``, ``guard()``
+    and ``release()``: every check passes."""
     code, out, err = _chaos(
         "--seconds",
         "20",
@@ -360,6 +361,8 @@ def test_chaos_run_of_20_seconds(tmp_path: Path):
         "4",
         "--seed",
         str(SEED),
+        "--detached",
+        "0.5",
         "--json",
         tmp=tmp_path,
         timeout=120,
@@ -369,6 +372,9 @@ def test_chaos_run_of_20_seconds(tmp_path: Path):
     assert summary["ok"]
     assert summary["seed"] == SEED
     assert summary["tasks"] == 2  # the default: contenders share their worker's client
+    forms = summary["rounds"]["by_form"]
+    assert forms["block"] >= 10, forms
+    assert forms["detached"] >= 10, forms
     assert summary["overlap"]["unpaused"]["count"] == 0
     assert summary["fenced_writes"]["stale_accepted"] == 0
     assert summary["counter_mismatches"] == 0

@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sabotage", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--detached",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share of rounds (0 to 1) holding the lease with acquire(), guard() and "
+        "release() instead of async with lease() (default 0)",
+    )
+    parser.add_argument(
         "--print-schedule",
         action="store_true",
         help="print the faults the seed schedules, and exit without running",
@@ -89,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--workers must be between 2 and 32")
     if not 1 <= args.tasks <= 16:
         parser.error("--tasks must be between 1 and 16")
+    if not 0.0 <= args.detached <= 1.0:
+        parser.error("--detached must be between 0 and 1")
     if not 1 <= args.locks <= 64:
         parser.error("--locks must be between 1 and 64")
     if not 0.1 <= args.ttl <= 10:
@@ -107,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine=args.engine,
         keep=args.keep,
         sabotage=args.sabotage,
+        detached=args.detached,
     )
     if args.print_schedule:
         print_schedule(config)

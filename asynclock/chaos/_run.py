@@ -77,6 +77,9 @@ class ChaosConfig:
         keep: keep the work directory (history, fenced store) even when the run passes.
         sabotage: a negative control: the workers' bodies ignore the loss of their lease
             (shielded from its cancellation, no ``is_held()``), so the checks must fail.
+        detached: the share of rounds (0 to 1) that hold their lease with ``acquire()``,
+            do their work inside ``lease.guard()`` and give it back with ``release()``,
+            instead of ``async with lease(...)``.
     """
 
     seed: int
@@ -88,6 +91,7 @@ class ChaosConfig:
     engine: str | None = None
     keep: bool = False
     sabotage: bool = False
+    detached: float = 0.0
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -111,6 +115,8 @@ class ChaosConfig:
             parts.append(f"--engine {self.engine}")
         if self.sabotage:
             parts.append("--sabotage")
+        if self.detached:
+            parts.append(f"--detached {self.detached:g}")
         return " ".join(parts)
 
 
@@ -185,6 +191,7 @@ class _Run:
             parent_pid=os.getpid(),
             tasks=config.tasks,
             sabotage=config.sabotage,
+            detached=config.detached,
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)

@@ -117,6 +117,8 @@ class RoundReport:
     """Loop time the lease counts from (its grant's send), when acquired."""
     exit_end: float | None = None
     """When the ``async with`` had finished, when the body was entered."""
+    form: str = "block"
+    """``block`` (``async with lease``) or ``detached`` (``acquire``/``guard``/``release``)."""
 
     @property
     def who(self) -> str:
@@ -149,6 +151,7 @@ class RoundReport:
             holder=None if message.get("holder") is None else str(message["holder"]),
             lease_from=_opt_float(message.get("lease_from")),
             exit_end=_opt_float(message.get("exit_end")),
+            form=str(message.get("form", "block")),
         )
 
 
@@ -593,7 +596,11 @@ def summarize(record: RunRecord) -> Summary:
             "by_lock": dict(sorted(per_lock.items())),
             "by_local_handoff": len(handed),
         },
-        "rounds": {"total": len(record.rounds), "by_outcome": dict(sorted(outcomes.items()))},
+        "rounds": {
+            "total": len(record.rounds),
+            "by_outcome": dict(sorted(outcomes.items())),
+            "by_form": dict(sorted(Counter(r.form for r in record.rounds).items())),
+        },
         "errors": dict(sorted(round_errors.items())),
         "unexpected_errors": len(unexpected),
         "lock_lost": {"total": sum(lost.values()), "by_reason": dict(sorted(lost.items()))},
@@ -681,7 +688,8 @@ def _render(
         + ", ".join(f"{lock} {n}" for lock, n in acq["by_lock"].items())
         + f"; {acq['by_local_handoff']} by local handoff",
         f"  rounds               {data['rounds']['total']}: "
-        + _counts(data["rounds"]["by_outcome"]),
+        + _counts(data["rounds"]["by_outcome"])
+        + f" ({_counts(data['rounds']['by_form'])})",
         f"  errors (handled)     {_counts(data['errors'])}",
         f"  LockLost             {lost['total']}: {_counts(lost['by_reason'])}",
     ]

@@ -49,6 +49,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import anyio
@@ -114,6 +115,10 @@ class WorkerConfig:
     sabotage: bool = False
     """A negative control: bodies ignore ``is_held()`` and are shielded from the lease's
     cancellation, so they run on after a loss (the checks must then fail)."""
+    detached: float = 0.0
+    """The share of rounds holding the lease with ``acquire()``, ``guard()`` and
+    ``release()`` instead of ``async with lease(...)`` (drawn from a random stream of its
+    own, so the other choices of a seed stay as they were)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -186,6 +191,8 @@ class _Round:
     acquire attempt, or a sibling's release that handed it to us); None if not acquired."""
     exit_end: float | None = None
     """When ``async with`` had finished (released or not), if the body was entered."""
+    form: str = "block"
+    """How the lease was held: ``block`` (``async with lease``) or ``detached``."""
 
     def message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -248,6 +255,7 @@ class _Contender:
         # contender 0 draws what the single contender of a worker drew before
         suffix = f":{task}" if task else ""
         self.rng = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}")
+        self.forms = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}:form")
         self.in_body = False
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -299,8 +307,11 @@ class _Contender:
         stats["rounds"] += 1
         lock: asynclock.Lease | None = None
         guard: Guard | None = None
+        hold = _held_detached if self.forms.random() < config.detached else asynclock.lease
+        if hold is _held_detached:
+            state.form = "detached"
         try:
-            async with asynclock.lease(
+            async with hold(
                 worker.client,
                 lock_name,
                 ttl=config.ttl,
@@ -418,3 +429,18 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(config.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's
     return asyncio.run(_Worker(config).run())
+
+
+@contextlib.asynccontextmanager
+async def _held_detached(
+    client: Redis, name: str, **options: Any
+) -> AsyncIterator[asynclock.Lease]:
+    """``async with lease(...)`` rebuilt from the detached form: ``acquire()``, the work
+    inside ``guard()``, then ``release()`` (which, with the guard's ``LockLost`` in flight,
+    lets it through)."""
+    lock = await asynclock.acquire(client, name, **options)
+    try:
+        async with lock.guard():
+            yield lock
+    finally:
+        await lock.release()
