@@ -472,3 +472,20 @@ async def test_release_hands_the_key_to_a_waiter_of_the_same_client(client: Redi
     # one script between the release and the next holder in: the handoff itself (the
     # waiter's release on exit is the second)
     assert await commandstat(client, "evalsha") - scripts_before == 2
+
+
+async def test_busy_and_timed_out_acquires_leave_nothing(client: Redis, prefix: str):
+    """On a held lock, acquire(blocking=False) raises LockBusy and acquire with a
+    blocking_timeout raises AcquireTimeout; neither leaves a key, a waiter or a lease to
+    release behind."""
+    holder = await asynclock.acquire(client, "busy", ttl=30, prefix=prefix)
+    with pytest.raises(LockBusy):
+        await asynclock.acquire(client, "busy", ttl=30, prefix=prefix, blocking=False)
+    started = time.monotonic()
+    with pytest.raises(asynclock.AcquireTimeout):
+        await asynclock.acquire(client, "busy", ttl=30, prefix=prefix, blocking_timeout=0.2)
+    assert 0.2 <= time.monotonic() - started < 2.0
+    assert not companion_for(client).room._lines
+    assert text(await client.get(holder.key)) == f"{holder.token}:{holder.fencing_token}"
+    await holder.release()
+    assert await client.exists(holder.key) == 0
