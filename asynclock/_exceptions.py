@@ -43,11 +43,13 @@ class LockError(Exception):
 
 
 class LockLost(LockError):
-    """The lease was lost while the ``async with`` block held it.
+    """The lease was lost while it was held.
 
-    Raised out of the ``async with`` after the body (and every task it started under the
-    block) has been cancelled. ``reason`` says why; the underlying error, if any, is chained
-    as ``__cause__``.
+    Raised out of the ``async with lease(...)`` block, or out of ``lease.guard()``, after
+    the code under it (and every task it started there) has been cancelled; by
+    ``release()`` of a lease from ``acquire()`` lost before it was given back; and by
+    ``extend()``. ``reason`` says why; the underlying error, if any, is chained as
+    ``__cause__``.
     """
 
     def __init__(self, name: str, reason: LossReason, detail: str = "") -> None:
