@@ -306,11 +306,11 @@ class Lease:
         or let the code's own error propagate with a note (never masked)."""
         if error is None:
             raise self._loss_error() from self._lost_cause
-        if not isinstance(error, asyncio.CancelledError):
-            error.add_note(
-                f"asynclock: the lease {self.name!r} was lost ({self._lost_reason}) "
-                f"while {what} ran"
-            )
+        if isinstance(error, asyncio.CancelledError):
+            return
+        said = f"asynclock: the lease {self.name!r} was lost ({self._lost_reason})"
+        if not any(note.startswith(said) for note in getattr(error, "__notes__", ())):
+            error.add_note(f"{said} while {what} ran")  # (once: a guard and a release)
 
     def _event(self, kind: LeaseEventKind, detail: str = "") -> None:
         if self._hook is not None:
