@@ -50,9 +50,9 @@ class LeaseState(enum.StrEnum):
     SUSPECT = "suspect"
     """A renewal is failing but the safe deadline has not passed; still held."""
     LOST = "lost"
-    """Lost (see ``Lease.lost_reason``): the block was cancelled."""
+    """Lost (see ``Lease.lost_reason``): the block, or the open guards, were cancelled."""
     RELEASED = "released"
-    """The block exited and the lease was given back."""
+    """Given back: the block exited, or ``release()`` was called."""
 
     def __str__(self) -> str:
         return self.value
@@ -200,16 +200,24 @@ class Lease:
             redis.exceptions.RedisError, TimeoutError: the renewal could not be confirmed
                 before the safe deadline; the lease is unchanged and the watchdog goes on.
         """
-        if self._closing and self._state is not LeaseState.LOST:
-            raise RuntimeError(f"the lease {self.name!r} has been released")
+        self._check_not_released()
         if not self._held_locally():
             raise self._loss_error()
         before = cancelling()
-        renewed = await self._renew_once(self.time_left)
+        try:
+            renewed = await self._renew_once(self.time_left)
+        except Exception:
+            self._check_not_released()  # (the release may have closed its connection)
+            raise
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if not renewed:
+            self._check_not_released()  # given back while the renewal was in flight
             raise self._loss_error()
+
+    def _check_not_released(self) -> None:
+        if self._closing and self._state is not LeaseState.LOST:
+            raise RuntimeError(f"the lease {self.name!r} has been released")
 
     async def release(self) -> None:
         """Give back a lease taken with :func:`acquire`: stop renewing it and delete its
@@ -221,8 +229,9 @@ class Lease:
         Raises:
             LockLost: the lease was lost before it was given back: the work done under it
                 may have overlapped another holder's (``reason`` says why). Called while
-                an exception propagates (in a ``finally`` or ``except`` clause), it adds a
-                note to that exception instead, so the loss never masks it.
+                an exception is handled or propagates (in an ``except`` or ``finally``
+                clause), it adds a note to that exception instead, so the loss never
+                masks it; check ``lost_reason`` there if the loss matters to you.
             RuntimeError: the lease is an ``async with lease(...)`` block's (its exit
                 gives it back), or a ``guard()`` of it is still open.
         """
@@ -262,8 +271,8 @@ class Lease:
         different tasks; enter and exit each in one task.
 
         Raises (on entering):
-            LockLost: the lease is already lost, or past its safe deadline.
-            RuntimeError: the lease is released, or is an ``async with`` block's.
+            LockLost: the lease is already lost (released or not), or past its deadline.
+            RuntimeError: the lease was given back, or is an ``async with`` block's.
 
         Raises (on exiting):
             LockLost: the lease was lost while the guard was open. An exception raised by
@@ -306,8 +315,8 @@ class Lease:
         or let the code's own error propagate with a note (never masked)."""
         if error is None:
             raise self._loss_error() from self._lost_cause
-        if isinstance(error, asyncio.CancelledError):
-            return
+        if isinstance(error, asyncio.CancelledError | LockLost):
+            return  # (a LockLost in flight: a guard's, for this loss, said it already)
         said = f"asynclock: the lease {self.name!r} was lost ({self._lost_reason})"
         if not any(note.startswith(said) for note in getattr(error, "__notes__", ())):
             error.add_note(f"{said} while {what} ran")  # (once: a guard and a release)

@@ -476,3 +476,48 @@ async def test_busy_and_timed_out_acquires_leave_nothing(client: Redis, prefix: 
     assert text(await client.get(holder.key)) == f"{holder.token}:{holder.fencing_token}"
     await holder.release()
     assert await client.exists(holder.key) == 0
+
+
+async def test_extend_racing_the_release_is_no_loss(client: Redis, prefix: str):
+    """extend() in flight while release() gives the lease back either renews in time or
+    says the lease was released; it never reports a loss that did not happen."""
+    outcomes: list[str] = []
+    for round_ in range(20):
+        lock = await asynclock.acquire(client, f"race-{round_}", ttl=30, prefix=prefix)
+        extending = asyncio.create_task(lock.extend())
+        await asyncio.sleep(0)  # the renewal is sent
+        await lock.release()
+        try:
+            await extending
+        except RuntimeError:
+            outcomes.append("released")
+        else:
+            outcomes.append("renewed")
+        assert lock.state is LeaseState.RELEASED
+        assert lock.lost_reason is None
+        assert await client.exists(lock.key) == 0
+    assert "released" in outcomes, outcomes
+
+
+async def test_release_while_an_exception_is_handled_or_propagates(client: Redis, prefix: str):
+    """release() of a lost lease in an except clause notes the loss on the handled error;
+    after a guard's LockLost it adds nothing to that LockLost."""
+    lock = await asynclock.acquire(client, "handled", ttl=30, prefix=prefix)
+    await client.delete(lock.key)
+    try:
+        raise ValueError("handled")
+    except ValueError as handled:
+        await lock.release()  # the key is gone: lost, but noted, not raised
+        notes = getattr(handled, "__notes__", [])
+    assert any("lost (not_owner)" in note for note in notes), notes
+    assert lock.lost_reason is LossReason.NOT_OWNER
+
+    lost = await asynclock.acquire(client, "propagates", ttl=0.6, prefix=prefix)
+    with pytest.raises(LockLost) as caught:
+        try:
+            async with lost.guard():
+                await client.delete(lost.key)
+                await anyio.sleep_forever()
+        finally:
+            await lost.release()
+    assert not getattr(caught.value, "__notes__", [])

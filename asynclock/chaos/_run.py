@@ -116,7 +116,7 @@ class ChaosConfig:
         if self.sabotage:
             parts.append("--sabotage")
         if self.detached:
-            parts.append(f"--detached {self.detached:g}")
+            parts.append(f"--detached {self.detached!r}")
         return " ".join(parts)
 
 

@@ -321,7 +321,9 @@ class _Contender:
                 on_event=self._hook(state),
             ) as lock:
                 state.fence = lock.fencing_token
-                # safe_until is t_send + ttl - drift until the first renewal (no await yet)
+                # safe_until is t_send + ttl - drift until the first renewal is confirmed
+                # (no await yet; the detached form's guard entry is one checkpoint, too
+                # short for a renewal to be sent and answered)
                 state.lease_from = lock.safe_until - (config.ttl - drift_for(config.ttl))
                 self.in_body = True
                 try:
