@@ -139,8 +139,9 @@ def lease(
 
     ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
     """
-    options = _options(redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix)
-    _check_hook(on_event)
+    options = _options(
+        redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix, on_event
+    )
     return LeaseContext(redis, options, on_event)
 
 
@@ -169,8 +170,9 @@ async def acquire(
     :func:`lease`; ``TypeError``/``ValueError`` for bad arguments are raised before any
     I/O. A cancellation while acquiring leaves no key behind.
     """
-    options = _options(redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix)
-    _check_hook(on_event)
+    options = _options(
+        redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix, on_event
+    )
     held = await take(redis, options, on_event)
     held._start(None)
     held._event(LeaseEventKind.ACQUIRED)
@@ -185,7 +187,12 @@ def _options(
     blocking_timeout: float | None,
     release_timeout: float,
     prefix: str,
+    on_event: object,
 ) -> LeaseOptions:
+    """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
+    here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
+    if on_event is not None and not callable(on_event):
+        raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
     return LeaseOptions.cached(
         redis,
         name,
@@ -195,8 +202,3 @@ def _options(
         release_timeout=release_timeout,
         prefix=prefix,
     )
-
-
-def _check_hook(on_event: object) -> None:
-    if on_event is not None and not callable(on_event):
-        raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")

@@ -463,11 +463,9 @@ class LeaseGuard:
                 "is guarded already"
             )
         await anyio.lowlevel.checkpoint()
-        if held._closing and held._state is not LeaseState.LOST:
-            raise RuntimeError(f"the lease {held.name!r} has been released")
+        held._check_not_released()
         if not held._held_locally():
-            if held._state in _ACTIVE:  # past its deadline, its timer not run yet
-                held._deadline_passed("a guard")
+            held._overran("a guard")  # (past its deadline, its timer not run yet)
             raise held._loss_error() from held._lost_cause
         scope = held._companion.cancel_scope()
         scope.__enter__()
