@@ -30,7 +30,7 @@ from ._connections import Companion
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
-from ._release import Wake, give_back, settle
+from ._release import give_back, settle
 from ._scripts import RENEW, Script, run_idempotent, unpack_arg
 from ._shield import cancel_dropped, cancelling
 from ._watchdog import report_stall
@@ -251,13 +251,13 @@ class Lease:
         else:
             self._closing = True
             self._released = asyncio.Event()
-            wake = Wake.OURS
+            contested = False
             try:
                 self._overran("the release")
-                wake = await give_back(self, shielded=False)
+                contested = await give_back(self, shielded=False)
             finally:
                 try:
-                    await settle(self, wake)
+                    await settle(self, contested=contested)
                 finally:
                     self._released.set()
         if self._state is LeaseState.LOST:
