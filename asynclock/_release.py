@@ -49,13 +49,13 @@ async def give_back(held: Lease, *, shielded: bool) -> bool:
     if held.lost_reason is LossReason.NOT_OWNER:
         return False  # the key is known not to be ours
     runs = 0
+    channel = held._options.channel
+    room = held._companion.room
     # The next waiter in this client's line, if any, is handed the key directly.
-    successor = held._companion.room.head(held._options.channel)
+    successor = room.head(channel)
     if successor is not None and (successor.offered or successor.grant is not None):
         successor = None
     t_offer = held._companion.loop.time()
-    channel = held._options.channel
-    room = held._companion.room
     if successor is not None:
         successor.offered = True  # from now on the key may hold its token
         room.set_registered(channel, True)  # HANDOFF may register us; replies refine it
@@ -119,11 +119,12 @@ async def _release(
     """
     companion = held._companion
     options = held._options
+    room = companion.room
     script: Script
     if successor is None:
         script = RELEASE
         keys = [options.key]
-        args: list[Arg] = [held._owner(), options.channel, companion.room.origin]
+        args: list[Arg] = [held._owner(), options.channel, room.origin]
     else:
         script = HANDOFF
         keys = [
@@ -138,8 +139,8 @@ async def _release(
             successor.ttl_ms,
             fence_ttl_ms(successor.ttl_ms),
             options.channel,
-            companion.room.origin,
-            "keep" if companion.room.waiting(options.channel) > 1 else "drop",
+            room.origin,
+            "keep" if room.waiting(options.channel) > 1 else "drop",
             register_ms(successor.ttl_ms),
             HANDOFF_PATIENCE_MS,
         ]
@@ -152,7 +153,7 @@ async def _release(
         log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
         first = False
         if successor is not None:  # the first run may have registered us as waiting
-            companion.room.set_registered(options.channel, True)
+            room.set_registered(options.channel, True)
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args)
     if successor is None:
@@ -160,7 +161,6 @@ async def _release(
             return _Outcome.RELEASED
     else:
         status, fence = (int(x) for x in reply)  # type: ignore[attr-defined]
-        room = companion.room
         if status == 3 and first:
             # The next holder took the key by an attempt of its own: ours was gone before
             # the release (its own reply tells it so; it is only woken here).

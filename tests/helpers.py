@@ -10,8 +10,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+
+import asynclock
+from asynclock.testing import RedisServer
 
 
 class Monitor:
@@ -91,6 +95,36 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {limit}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+class StoppedServerProbe:
+    """The SIGSTOP fault, from inside guarded code: after a renewal, read the key's
+    absolute expiry with the server's own clock (PEXPIRETIME), stop the server, and wait
+    to be cancelled, recording when (wall clock, ms: this host is the server's host)."""
+
+    def __init__(self, server: RedisServer, observer: Redis) -> None:
+        self.server = server
+        self.observer = observer
+        self.renewed = asyncio.Event()
+        self.expires_at_ms = 0
+        self.paused_at = 0.0  # time.monotonic()
+        self.cancelled_at_ms: float | None = None
+
+    def on_event(self, event: asynclock.LeaseEvent) -> None:
+        if event.kind is asynclock.LeaseEventKind.RENEWED:
+            self.renewed.set()
+
+    async def stop_and_wait(self, key: str) -> None:
+        await self.renewed.wait()
+        self.expires_at_ms = int(await self.observer.execute_command("PEXPIRETIME", key))
+        self.server.pause()
+        self.paused_at = time.monotonic()
+        try:
+            await anyio.sleep_forever()
+        except BaseException:
+            self.cancelled_at_ms = time.time() * 1000
+            assert self.server.is_paused  # no command could have returned
+            raise
 
 
 async def commandstat(client: Redis, command: str) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import commandstat, wait_until
+from helpers import StoppedServerProbe, commandstat, wait_until
 from redis.asyncio import Redis
 
 import asynclock
@@ -206,30 +206,15 @@ async def test_stopped_server_stops_the_guard_before_the_key_can_expire(
     ttl = 3.0
     client = Redis.from_url(private_server.url)
     observer = Redis.from_url(private_server.url)
-    renewed = asyncio.Event()
-    cancelled_at: list[float] = []
-
-    def on_event(event: asynclock.LeaseEvent) -> None:
-        if event.kind is LeaseEventKind.RENEWED:
-            renewed.set()
-
+    probe = StoppedServerProbe(private_server, observer)
     try:
         lock = await asynclock.acquire(
-            client, "paused", ttl=ttl, prefix=prefix, on_event=on_event, release_timeout=0.3
+            client, "paused", ttl=ttl, prefix=prefix, on_event=probe.on_event, release_timeout=0.3
         )
         with pytest.raises(LockLost) as caught:
             async with lock.guard():
-                await renewed.wait()
-                expires_at_ms = int(await observer.execute_command("PEXPIRETIME", lock.key))
-                private_server.pause()
-                paused_at = time.monotonic()
-                try:
-                    await anyio.sleep_forever()
-                except BaseException:
-                    cancelled_at.append(time.time() * 1000)
-                    assert private_server.is_paused
-                    raise
-        elapsed = time.monotonic() - paused_at
+                await probe.stop_and_wait(lock.key)
+        elapsed = time.monotonic() - probe.paused_at
         assert caught.value.reason is LossReason.DEADLINE
         started = time.monotonic()
         with pytest.raises(LockLost):
@@ -239,8 +224,8 @@ async def test_stopped_server_stops_the_guard_before_the_key_can_expire(
         private_server.resume()
         await client.aclose()
         await observer.aclose()
-    assert cancelled_at, "the guard was not cancelled"
-    assert expires_at_ms - cancelled_at[0] > 0, "cancelled after the key could expire"
+    assert probe.cancelled_at_ms is not None, "the guard was not cancelled"
+    assert probe.expires_at_ms - probe.cancelled_at_ms > 0, "cancelled after the key could expire"
     assert elapsed < ttl + 1.0, elapsed
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+from helpers import StoppedServerProbe
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -33,36 +34,26 @@ async def test_stopped_server_cancels_body_before_key_can_expire(
     ttl = 3.0  # drift = 32 ms: the margin between the deadline and the earliest expiry
     client = Redis.from_url(private_server.url)
     observer = Redis.from_url(private_server.url)
-    renewed = asyncio.Event()
-    cancelled_at: list[float] = []
-
-    def on_event(event: asynclock.LeaseEvent) -> None:
-        if event.kind is LeaseEventKind.RENEWED:
-            renewed.set()
-
+    probe = StoppedServerProbe(private_server, observer)
     try:
         with pytest.raises(LockLost) as caught:
             async with asynclock.lease(
-                client, "paused", ttl=ttl, prefix=prefix, on_event=on_event, release_timeout=0.3
+                client,
+                "paused",
+                ttl=ttl,
+                prefix=prefix,
+                on_event=probe.on_event,
+                release_timeout=0.3,
             ) as lock:
-                await renewed.wait()
-                expires_at_ms = int(await observer.execute_command("PEXPIRETIME", lock.key))
-                private_server.pause()
-                paused_at = time.monotonic()
-                try:
-                    await anyio.sleep_forever()
-                except BaseException:
-                    cancelled_at.append(time.time() * 1000)
-                    assert private_server.is_paused  # no command could have returned
-                    raise
-        elapsed = time.monotonic() - paused_at
+                await probe.stop_and_wait(lock.key)
+        elapsed = time.monotonic() - probe.paused_at
     finally:
         private_server.resume()
         await client.aclose()
         await observer.aclose()
     assert caught.value.reason is LossReason.DEADLINE
-    assert cancelled_at, "the body was not cancelled"
-    margin_ms = expires_at_ms - cancelled_at[0]
+    assert probe.cancelled_at_ms is not None, "the body was not cancelled"
+    margin_ms = probe.expires_at_ms - probe.cancelled_at_ms
     assert margin_ms > 0, f"cancelled {-margin_ms:.1f} ms after the key could expire"
     assert elapsed < ttl + 1.0, elapsed  # and no hang
     assert lock.state is LeaseState.LOST
