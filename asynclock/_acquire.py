@@ -79,7 +79,7 @@ class Grant(NamedTuple):
 class Acquisition:
     """One acquire: a single attempt, or the wait in the local line until one succeeds."""
 
-    __slots__ = ("_companion", "_landed", "_loop", "_options", "_token", "_waiter")
+    __slots__ = ("_companion", "_exposed", "_landed", "_loop", "_options", "_token", "_waiter")
 
     def __init__(self, companion: Companion, options: LeaseOptions) -> None:
         self._companion = companion
@@ -87,6 +87,7 @@ class Acquisition:
         self._loop = companion.loop
         self._token = secrets.token_hex(16)
         self._landed = False  # our key is (or may be) set but not handed out
+        self._exposed = False  # our token may be offered to other clients' releasers
         self._waiter: Waiter | None = None  # our place in the local line while waiting
 
     async def run(self) -> Grant:
@@ -111,7 +112,8 @@ class Acquisition:
             raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
         except BaseException:
             waiter = self._waiter
-            if self._landed or (waiter is not None and waiter.offered):
+            offered = waiter is not None and (waiter.offered or waiter.exposed)
+            if self._landed or self._exposed or offered:
                 await self._abandon()  # we hold (or may be handed) the key, never used
             raise
 
@@ -148,7 +150,10 @@ class Acquisition:
                         granted = Grant(self._token, fence, t_send)
                         return granted
                     waiter.event.set()  # too late to use: refresh it with an attempt
-                head = room.is_head(channel, waiter)
+                # (a waiter holding the key, granted too late to use, refreshes it even
+                # if it is not the head: a grant by another client can reach any waiter
+                # whose token was offered)
+                head = room.is_head(channel, waiter) or self._landed
                 if head and (waiter.event.is_set() or fallback == 0 or failed_first is not None):
                     waiter.event.clear()
                     if failed_first is not None:  # just tried, before joining the line
@@ -252,18 +257,24 @@ class Acquisition:
             room.origin if waiting else "",
             register_ms(options.ttl_ms),
             on_success,
+            "",  # (our send time, when offering our token: see below)
         ]
         before = cancelling()
         client: Redis | Lane = self._companion.lane
         may_have_landed = False
         while True:
             t_send = self._loop.time()
+            if waiting:
+                # A failed attempt offers our token to other clients' releasers (see
+                # HANDOFF), who may then grant us the key; its lease counts from t_send.
+                self._exposed = True
+                args[6] = repr(t_send)
             try:
                 try:
                     reply = await ACQUIRE(client, keys, args)
                 except MaxConnectionsError:  # the caller's pool is full: nothing was sent
                     client = self._companion.overflow()
-                    t_send = self._loop.time()
+                    t_send = self._loop.time()  # (the offer keeps the earlier time)
                     reply = await ACQUIRE(client, keys, args)
                 break
             except UNKNOWN_OUTCOME:
@@ -300,7 +311,7 @@ class Acquisition:
         """Undo an attempt that may have landed, and stop it from landing later."""
         options = self._options
         companion = self._companion
-        keys = [options.key, options.void_key(self._token)]
+        keys = [options.key, options.void_key(self._token), options.waiting_key]
         args: list[Arg] = [
             self._token,
             max(10_000, 3 * options.ttl_ms),

@@ -29,7 +29,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ._lane import Lane
-from ._scripts import encoding_of, pack, pack_args
+from ._scripts import ABANDON, Arg, encoding_of, pack, pack_args, run_idempotent
+from ._shield import finish
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
@@ -70,6 +71,8 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
 
 
 _OVERFLOW_CONNECTIONS = 32
+_ORPHAN_LIMIT = 1.0  # seconds allowed to give back a key granted to a waiter that left
+_ORPHAN_TOMBSTONE_MS = 10_000
 
 
 def _no_retry() -> Retry:
@@ -84,6 +87,7 @@ class Companion:
         self.loop = loop
         self.connection_class, self.settings = connection_settings(client)
         self.room = WaitingRoom(self.connection_class, self.settings)
+        self.room.on_orphan = self._undo_grant
         self.lane = Lane(client, loop)
         """The hot path for acquires and releases, on connections of the caller's pool."""
         self._renewer: Redis | None = None
@@ -147,6 +151,28 @@ class Companion:
             )
             self._overflow = Redis.from_pool(pool)
         return self._overflow
+
+    async def _undo_grant(self, channel: str, token: str) -> None:
+        """Give back a key that another client's releaser granted to ``token``, a waiter
+        of ours that is gone (see ``WaitingRoom._granted``): delete it if it still holds
+        that token, and tombstone the token. Best effort: the key expires by its TTL."""
+        key = channel.removesuffix(":released")
+        keys = [key, f"{key}:void:{token}", key + ":waiting"]
+        args: list[Arg] = [token, _ORPHAN_TOMBSTONE_MS, channel, self.room.origin]
+        try:  # (a task of the room's: closing the room waits for it, bounded)
+            undo = run_idempotent(ABANDON, self.lane, self.overflow, keys, args)
+            await finish(undo, _ORPHAN_LIMIT)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "asynclock: could not give back %s, granted to a waiter that left (%r); "
+                "it expires by its TTL",
+                key,
+                exc,
+            )
+        finally:
+            self.room.wake(channel)  # (its notification is our own: we ignore those)
 
     def check_eviction_once(self) -> None:
         """Warn once per client if the server may evict lock keys (in the background).

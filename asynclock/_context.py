@@ -20,7 +20,7 @@ from ._connections import companion_for
 from ._events import EventHook, LeaseEventKind
 from ._lease import Lease, LeaseState
 from ._options import LeaseOptions
-from ._release import give_back, settle, unretain
+from ._release import Wake, give_back, settle, unretain
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 
@@ -89,15 +89,15 @@ class LeaseContext:
         else:
             swallowed = bool(scope.__exit__(exc_type, exc, tb))
         body_error = None if swallowed else exc
-        contested = False
+        wake = Wake.OURS
         try:
             try:
-                contested = await give_back(held, shielded=inside)
+                wake = await give_back(held, shielded=inside)
             finally:
                 if inside:
                     scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
         finally:
-            await settle(held, contested=contested)
+            await settle(held, wake)
         if held.state is LeaseState.LOST:  # (our scope only cancels the body then)
             held._raise_loss(body_error, "this block")
 

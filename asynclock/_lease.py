@@ -30,7 +30,7 @@ from ._connections import Companion
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
-from ._release import give_back, settle
+from ._release import Wake, give_back, settle
 from ._scripts import RENEW, Script, run_idempotent, unpack_arg
 from ._shield import cancel_dropped, cancelling
 from ._watchdog import report_stall
@@ -251,13 +251,13 @@ class Lease:
         else:
             self._closing = True
             self._released = asyncio.Event()
-            contested = False
+            wake = Wake.OURS
             try:
                 self._overran("the release")
-                contested = await give_back(self, shielded=False)
+                wake = await give_back(self, shielded=False)
             finally:
                 try:
-                    await settle(self, contested=contested)
+                    await settle(self, wake)
                 finally:
                     self._released.set()
         if self._state is LeaseState.LOST:

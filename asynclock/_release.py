@@ -29,25 +29,32 @@ from ._wakeup import Waiter
 if TYPE_CHECKING:
     from ._lease import Lease
 
-__all__ = ["give_back", "settle", "unretain"]
+__all__ = ["Wake", "give_back", "settle", "unretain"]
 
 log = logging.getLogger("asynclock")
 
 _CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
 
 
-async def give_back(held: Lease, *, shielded: bool) -> bool:
+class Wake(enum.Enum):
+    """Whom to wake once a lease was given back (see ``settle``)."""
+
+    OURS = "ours"  # the head of this client's line, if any
+    OTHERS = "others"  # other clients' waiters compete, or one was granted the key:
+    # ours stands back a moment, then tries (and so learns how long to wait)
+
+
+async def give_back(held: Lease, *, shielded: bool) -> Wake:
     """Stop renewing and release the key (shielded; every exchange ends within
-    release_timeout), or hand it to the next waiter of this client's line. Returns
-    True when the release let waiters of other clients compete (see
-    ``WaitingRoom.wake_with_others``).
+    release_timeout), hand it to the next waiter of this client's line, or grant it to
+    a waiter of another client. Returns whom to wake (see ``settle``).
 
     A renewal of this lease may still be in flight in a batch with other leases'; it
     is not waited for: the renew script is owner-checked, so landing after the
     release it changes nothing, and its reply is ignored once the lease is closing.
     """
     if held.lost_reason is LossReason.NOT_OWNER:
-        return False  # the key is known not to be ours
+        return Wake.OURS  # the key is known not to be ours
     runs = 0
     channel = held._options.channel
     room = held._companion.room
@@ -58,7 +65,13 @@ async def give_back(held: Lease, *, shielded: bool) -> bool:
     t_offer = held._companion.loop.time()
     if successor is not None:
         successor.offered = True  # from now on the key may hold its token
-        room.set_registered(channel, True)  # HANDOFF may register us; replies refine it
+        # HANDOFF may register us, offering the successor's token to other clients, or
+        # that of the waiter behind it; replies refine the registration
+        successor.exposed = True
+        behind = room.second(channel)
+        if behind is not None:
+            behind.exposed = True
+        room.set_registered(channel, True)
     limit = held._options.release_timeout
     deadline = t_offer + limit
 
@@ -80,7 +93,7 @@ async def give_back(held: Lease, *, shielded: bool) -> bool:
             exc,
         )
         held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
-        return False
+        return Wake.OURS
     if released is _Outcome.NOT_OURS:
         if held._state_active:
             held._lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
@@ -88,7 +101,9 @@ async def give_back(held: Lease, *, shielded: bool) -> bool:
         held._event(LeaseEventKind.RELEASED)
     if successor is not None and not room.waiting(channel) and room.registered(channel):
         room.in_background(unregister(held._companion, held._options))  # line emptied
-    return released is _Outcome.CONTESTED
+    if released is _Outcome.CONTESTED or released is _Outcome.GRANTED:
+        return Wake.OTHERS
+    return Wake.OURS
 
 
 class _Outcome(enum.Enum):
@@ -97,6 +112,7 @@ class _Outcome(enum.Enum):
     RELEASED = "released"  # deleted, waiters notified
     CONTESTED = "contested"  # deleted, waiters notified, waiters of other clients registered
     HANDED = "handed"  # handed to the next waiter of this client
+    GRANTED = "granted"  # granted to a waiter of another client
     NOT_OURS = "not ours"  # definitively not our key (see _release)
 
 
@@ -133,6 +149,7 @@ async def _release(
             options.void_key(successor.token),
             options.waiting_key,
         ]
+        behind = companion.room.second(options.channel)
         args = [
             held._owner(),
             successor.token,
@@ -140,9 +157,12 @@ async def _release(
             fence_ttl_ms(successor.ttl_ms),
             options.channel,
             room.origin,
-            "keep" if room.waiting(options.channel) > 1 else "drop",
+            "keep" if behind is not None else "drop",
             register_ms(successor.ttl_ms),
             HANDOFF_PATIENCE_MS,
+            repr(t_offer),
+            "" if behind is None else behind.token,
+            0 if behind is None else behind.ttl_ms,
         ]
     try:
         reply = await script(companion.lane, keys, args, deadline)
@@ -172,6 +192,9 @@ async def _release(
             room.set_registered(options.channel, args[6] == "keep")
             return _Outcome.HANDED
         successor.offered = False  # a definitive answer: the key was not handed over
+        if status == 5:  # granted to another client's waiter
+            room.set_registered(options.channel, True)
+            return _Outcome.GRANTED
         if status == 2:
             room.set_registered(options.channel, True)
             return _Outcome.CONTESTED
@@ -197,13 +220,13 @@ async def unretain(companion: Companion) -> None:
             log.debug("asynclock: closing side connections failed: %r", exc)
 
 
-async def settle(held: Lease, *, contested: bool) -> None:
+async def settle(held: Lease, wake: Wake) -> None:
     """After ``give_back`` (whatever its outcome): mark the lease ended, wake the waiters
-    of this client (and of others, when ``contested``), and let go of the companion."""
+    ``wake`` says, and let go of the companion."""
     held._end()
     held._scope = None
     room = held._companion.room
-    if contested:
+    if wake is Wake.OTHERS:
         room.wake_with_others(held._options.channel)
     else:
         room.wake(held._options.channel)

@@ -172,17 +172,28 @@ ACQUIRE = Script(
 -- ARGV[4] origin id of a blocking wait ('' when not waiting): a failed attempt registers
 -- it as waiting (since when: kept from a live registration, else now), ARGV[5] for how
 -- long (ms), ARGV[6] what a success does to the registration: 'keep' (more waiters of
--- ours are in line: they wait from now on), 'drop' (none: unregister) or '' (nothing)
+-- ours are in line: they wait from now on), 'drop' (none: unregister) or '' (nothing),
+-- ARGV[7] the sender's loop time at sending, when the attempt is made by the head of
+-- its client's line ('' otherwise): a failed attempt then also registers ARGV[1], ARGV[2]
+-- and ARGV[7], so that another client's releaser may grant the lock to this token
+-- (HANDOFF); the sender counts a granted lease from ARGV[7], which precedes the grant
 -- returns {1, fencing token} when held by this token (new, or a retry of ours),
 --         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
 -- Registration writes use pcall: under maxmemory they are skipped, not fatal.
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {-1, 0}
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function register(since, now)
-  redis.pcall('HSET', KEYS[4], ARGV[4], string.format('%d:%d', since, now + ARGV[5]))
+local function register(since, now, exposed)
+  local entry = string.format('%d:%d', since, now + ARGV[5])
+  if exposed then
+    entry = entry .. ':' .. ARGV[1] .. ':' .. ARGV[7] .. ':' .. ARGV[2]
+  end
+  redis.pcall('HSET', KEYS[4], ARGV[4], entry)
   if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[5]) then  -- only ever extended
     redis.pcall('PEXPIRE', KEYS[4], ARGV[5])
   end
@@ -190,9 +201,14 @@ end
 local function on_success()
   if ARGV[6] == 'keep' then
     local now = now_ms()
-    register(now, now)
+    register(now, now, false)
   elseif ARGV[6] == 'drop' then
     redis.call('HDEL', KEYS[4], ARGV[4])
+  elseif ARGV[4] ~= '' then  -- no longer offer this token to other clients' releasers
+    local entry = redis.call('HGET', KEYS[4], ARGV[4])
+    if entry and string.find(entry, ':' .. ARGV[1] .. ':', 1, true) then
+      redis.call('HDEL', KEYS[4], ARGV[4])
+    end
   end
 end
 local current = redis.call('GET', KEYS[1])
@@ -208,17 +224,14 @@ if current then
     local since = now
     local entry = redis.call('HGET', KEYS[4], ARGV[4])
     if entry then
-      local s, u = string.match(entry, '^(%d+):(%d+)$')
+      local s, u = string.match(entry, '^(%d+):(%d+)')
       if s and tonumber(u) > now then
         since = tonumber(s)
       end
     end
-    register(since, now)
+    register(since, now, ARGV[7] ~= '')
   end
   return {0, redis.call('PTTL', KEYS[1])}
-end
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {-1, 0}
 end
 local t = redis.call('TIME')
 """
@@ -262,21 +275,30 @@ return 0
 HANDOFF = Script(
     "handoff",
     """
--- The release of a lock that has a waiter in the releasing client's own line: the key
+-- The release of a lock that has a waiter in the releasing client's own line. The key
 -- goes straight to that waiter's token (with a new fencing token) in the same round
 -- trip, unless a waiter of another client has been registered for at least the
--- patience (ms): then it is a plain release that lets every client's waiters compete
--- (and the releasing client's own head stands back, see WaitingRoom.wake_with_others).
+-- patience (ms). Then the longest registered of those is served instead: if its client
+-- offers a token (see ACQUIRE's ARGV[7]), the key goes to that token and the grant is
+-- published for its client to pick up; else it is a plain release that lets every
+-- client's waiters compete (and the releasing client's own head stands back, see
+-- WaitingRoom.wake_with_others).
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
--- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time)
+-- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time),
+-- followed by ":<token>:<loop time>:<ttl ms>" when that client offers a token
 -- ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms),
 -- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
 -- ARGV[7] 'keep' if our line still has waiters behind the next holder, else 'drop',
--- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms)
+-- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms), ARGV[10] our loop time at
+-- sending, ARGV[11] the token of the waiter behind the next holder ('' if none) and
+-- ARGV[12] its ttl (ms): our registration offers the next holder's token when the key
+-- does not go to it, else ARGV[11]
 -- returns {1, fencing token} when the key now belongs to the next token,
 --         {3, fencing token} when it already did (the next holder took it by an attempt
 --           of its own, or this is a retry after our handoff landed); its expiry is
 --           renewed, so the caller's send time is a valid start for the next holder,
+--         {5, fencing token} when granted to another client's waiter (published as
+--           "<our origin>:<its origin>:<token>:<fencing token>:<its loop time>"),
 --         {2, 0} when released as RELEASE does because another client's waiter is due,
 --         {4, 0} when released as RELEASE does because the next holder gave up,
 --         {0, 0} when the key was not ours
@@ -294,32 +316,57 @@ if current ~= ARGV[1] then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function register()  -- our line waits on, from now
-  redis.pcall('HSET', KEYS[4], ARGV[6], string.format('%d:%d', now, now + ARGV[8]))
+local function register(token, ttl)  -- our line waits on, from now
+  local entry = string.format('%d:%d', now, now + ARGV[8])
+  if token ~= '' then
+    entry = entry .. ':' .. token .. ':' .. ARGV[10] .. ':' .. ttl
+  end
+  redis.pcall('HSET', KEYS[4], ARGV[6], entry)
   if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[8]) then  -- only ever extended
     redis.pcall('PEXPIRE', KEYS[4], ARGV[8])
   end
 end
-local others = false
+local due, due_since, due_entry = nil, 0, nil  -- the longest registered other client
 local waiting = redis.call('HGETALL', KEYS[4])
 for i = 1, #waiting, 2 do
-  local s, u = string.match(waiting[i + 1], '^(%d+):(%d+)$')
+  local s, u = string.match(waiting[i + 1], '^(%d+):(%d+)')
   if not s or tonumber(u) <= now then
     redis.call('HDEL', KEYS[4], waiting[i])
-  elseif waiting[i] ~= ARGV[6] and now - tonumber(s) >= tonumber(ARGV[9]) then
-    others = true
+  elseif waiting[i] ~= ARGV[6] and now - tonumber(s) >= tonumber(ARGV[9])
+      and (due == nil or tonumber(s) < due_since) then
+    due, due_since, due_entry = waiting[i], tonumber(s), waiting[i + 1]
   end
 end
 local abandoned = redis.call('EXISTS', KEYS[3]) == 1
-if others or abandoned then
-  redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[5], ARGV[6])
-  if ARGV[7] == 'keep' or not abandoned then  -- someone of ours still waits
-    register()
+local function keep_registered()  -- our line after the key went elsewhere
+  if not abandoned then
+    register(ARGV[2], ARGV[3])
+  elseif ARGV[7] == 'keep' then
+    register('', 0)
   else
     redis.call('HDEL', KEYS[4], ARGV[6])
   end
-  return {abandoned and not others and 4 or 2, 0}
+end
+if due then
+  local token, loop_time, ttl = string.match(due_entry, '^%d+:%d+:(%x+):([^:]+):(%d+)$')
+  if token and redis.call('EXISTS', KEYS[1] .. ':void:' .. token) == 0 then
+"""
+    + _MINT_FENCE
+    + """    redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
+    redis.call('HDEL', KEYS[4], due)  -- its client offers its next token anew
+    redis.call('SET', KEYS[1], token .. ':' .. text, 'PX', ttl)
+    redis.call('SET', KEYS[2], text, 'PX', math.max(86400000, 10 * tonumber(ttl)))
+    keep_registered()
+    redis.call('PUBLISH', ARGV[5],
+      ARGV[6] .. ':' .. due .. ':' .. token .. ':' .. text .. ':' .. loop_time)
+    return {5, fence}
+  end
+end
+if due or abandoned then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[5], ARGV[6])
+  keep_registered()
+  return {abandoned and not due and 4 or 2, 0}
 end
 """
     + _MINT_FENCE
@@ -327,7 +374,7 @@ end
 redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
 if ARGV[7] == 'keep' then
-  register()
+  register(ARGV[11], ARGV[12])
 else
   redis.call('HDEL', KEYS[4], ARGV[6])
 end
@@ -338,13 +385,19 @@ return {1, fence}
 ABANDON = Script(
     "abandon",
     """
--- KEYS[1] lease key, KEYS[2] the attempt's tombstone
+-- KEYS[1] lease key, KEYS[2] the attempt's tombstone, KEYS[3] the lock's waiting hash
 -- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
 -- ARGV[4] the client's origin id
--- Deletes the key if the abandoned attempt already landed, and leaves a tombstone so
--- that the attempt, should it reach Redis after this script, sets nothing.
+-- Deletes the key if the abandoned attempt already landed (or another client's releaser
+-- granted it to this token), withdraws the token's offer from the client's registration
+-- (see HANDOFF), and leaves a tombstone so that the attempt, should it reach Redis after
+-- this script, sets nothing, and no releaser grants the key to the token.
 -- Returns 1 if it deleted. Under maxmemory the tombstone may be refused (pcall): an
 -- attempt arriving later would then be refused by the same limit.
+local entry = redis.call('HGET', KEYS[3], ARGV[4])
+if entry and string.find(entry, ':' .. ARGV[1] .. ':', 1, true) then
+  redis.pcall('HSET', KEYS[3], ARGV[4], string.match(entry, '^%d+:%d+'))
+end
 local current = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ':'
 local deleted = 0

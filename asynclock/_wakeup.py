@@ -28,7 +28,7 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -48,15 +48,21 @@ class Waiter:
     A releaser of the same client may hand the lock straight to the head of the line (the
     ``HANDOFF`` script): it sets ``offered`` before sending (from then on the key may hold
     this waiter's ``token``), then ``grant`` (fencing token, t_send) if the handoff landed.
+
+    ``exposed`` is set before anything registers ``token`` in Redis as this client's
+    offer: from then on a releaser of another client may grant the key to it at any time
+    (published, and set here as ``grant``), so a waiter that gives up must withdraw the
+    offer and delete such a key (``ABANDON``).
     """
 
-    __slots__ = ("event", "grant", "offered", "token", "ttl_ms")
+    __slots__ = ("event", "exposed", "grant", "offered", "token", "ttl_ms")
 
     def __init__(self, token: str = "", ttl_ms: int = 0) -> None:
         self.event = asyncio.Event()
         self.token = token
         self.ttl_ms = ttl_ms
         self.offered = False
+        self.exposed = False
         self.grant: tuple[int, float] | None = None
 
 
@@ -83,6 +89,9 @@ class WaitingRoom:
         self._registered: set[str] = set()  # channels for which we may be registered waiting
         self._background: set[asyncio.Task[object]] = set()  # work made in passing
         self._subscribing: asyncio.Task[object] | None = None  # (one of them)
+        self.on_orphan: Callable[[str, str], Coroutine[Any, Any, object]] | None = None
+        """Undoes a grant to a token of ours that no waiter holds any more: (channel,
+        token); run in the background."""
 
     @property
     def open(self) -> bool:
@@ -102,6 +111,11 @@ class WaitingRoom:
         """The first waiter in ``channel``'s line, if any."""
         line = self._lines.get(channel)
         return line[0] if line else None
+
+    def second(self, channel: str) -> Waiter | None:
+        """The waiter behind the head of ``channel``'s line, if any."""
+        line = self._lines.get(channel)
+        return line[1] if line and len(line) > 1 else None
 
     def waiting(self, channel: str) -> int:
         """How many waiters are in ``channel``'s line."""
@@ -258,7 +272,10 @@ class WaitingRoom:
         kind, raw_channel = reply[0], reply[1]
         channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
         if kind == b"message":
-            if len(reply) < 3 or reply[2] != self._origin_bytes:  # our own: woken already
+            payload = reply[2] if len(reply) > 2 else b""
+            if b":" in payload:
+                self._granted(channel, payload)
+            elif payload != self._origin_bytes:  # (our own: woken already)
                 timer = self._deferred.pop(channel, None)
                 if timer is not None:
                     timer.cancel()
@@ -270,6 +287,29 @@ class WaitingRoom:
                 future.set_result(True)
         elif kind == b"unsubscribe" and channel not in self._subscribed:
             self._confirmed.discard(channel)
+
+    def _granted(self, channel: str, payload: bytes) -> None:
+        """A releaser granted the lock to a waiter of some client (see ``HANDOFF``):
+        "<releaser>:<client>:<token>:<fencing token>:<that client's loop time>". Other
+        clients' waiters are not woken: the lock is held again."""
+        try:
+            _, origin, raw_token, raw_fence, raw_time = payload.split(b":")
+            if origin != self._origin_bytes:
+                return
+            token, fence, t_offer = raw_token.decode(), int(raw_fence), float(raw_time)
+        except ValueError:
+            log.debug("asynclock: unexpected message on %s: %r", channel, payload)
+            return
+        self._registered.discard(channel)  # (the releaser dropped our registration)
+        for waiter in self._lines.get(channel, ()):
+            if waiter.token == token:
+                waiter.grant = (fence, t_offer)
+                waiter.event.set()
+                return
+        # Nobody of ours waits with that token any more (it gave up, or was served
+        # otherwise since): give the key back.
+        if self.on_orphan is not None:
+            self.in_background(self.on_orphan(channel, token))
 
     async def aclose(self) -> None:
         """Stop listening and close the subscription connection."""

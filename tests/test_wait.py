@@ -74,7 +74,9 @@ async def test_waiting_does_not_poll(private_server: RedisServer, prefix: str):
             async with asynclock.lease(client, "slow", ttl=5, prefix=prefix, blocking_timeout=1.5):
                 pass
         after = await commandstat(observer, "evalsha") + await commandstat(observer, "eval")
-        assert after - before <= 3, after - before
+        # at most 3 attempts, and the withdrawal of the waiter's offer when it gives up
+        # (ABANDON: EVALSHA, then EVAL after NOSCRIPT on this fresh server)
+        assert after - before <= 3 + 2, after - before
         release.set()
         await holder
     finally:
@@ -270,7 +272,20 @@ async def test_handoff_to_a_token_that_already_holds_the_key_renews_it(client: R
     reply = await HANDOFF(
         client,
         [key, key + ":fence", key + ":void:next0123", key + ":waiting"],
-        ["mine:41", "next0123", 30_000, 86_400_000, key + ":released", "origin", "drop", 61_000, 5],
+        [
+            "mine:41",
+            "next0123",
+            30_000,
+            86_400_000,
+            key + ":released",
+            "origin",
+            "drop",
+            61_000,
+            5,
+            "1.0",
+            "",
+            0,
+        ],
     )
     assert [int(x) for x in reply] == [3, 42]  # type: ignore[attr-defined]
     assert await client.pttl(key) > 29_000
@@ -285,7 +300,7 @@ async def test_registration_lifetime_is_only_ever_extended(client: Redis, prefix
     async def failed_attempt(origin: str, register_ms: int) -> None:
         keys = [key, key + ":fence", key + ":void:t" + origin, key + ":waiting"]
         reply = await ACQUIRE(
-            client, keys, ["t" + origin, 1000, 86_400_000, origin, register_ms, ""]
+            client, keys, ["t" + origin, 1000, 86_400_000, origin, register_ms, "", ""]
         )
         assert int(reply[0]) == 0  # type: ignore[index]
 
