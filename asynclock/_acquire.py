@@ -14,7 +14,11 @@ line bookkeeping on the uncontended path); otherwise, or after that try failed, 
 in the client's ``WaitingRoom`` (see ``_wakeup``): the head of the line tries, subscribes
 to the release channel after a failed first try and tries again (so no release slips
 between the two), then sleeps until woken by a release, handed the lock by a releaser of
-its own client, or until the holder's key would expire (PTTL plus jitter).
+its own client, granted it by a releaser of another, or until the holder's key would
+expire (PTTL plus jitter). A failed try of a blocking wait offers its token for such a
+grant; from then on, giving up means withdrawing the offer (``_abandon``), since a grant
+may already have landed. A grant that was published but never read (a broken
+subscription) is found by the next try: the key then holds our own token.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ _DAY_MS: Final = 86_400_000
 
 HANDOFF_PATIENCE_MS: Final = 5
 """A releaser hands the lock within its own client's line until a waiter of another
-client has been registered this long (ms); then it lets every client compete."""
+client has been registered this long (ms); then it grants the lock to that client's
+offered token, or lets every client compete (see HANDOFF)."""
 
 
 def fence_ttl_ms(ttl_ms: int) -> int:
@@ -113,8 +118,11 @@ class Acquisition:
         except BaseException:
             waiter = self._waiter
             offered = waiter is not None and (waiter.offered or waiter.exposed)
-            if self._landed or self._exposed or offered:
-                await self._abandon()  # we hold (or may be handed) the key, never used
+            try:
+                if self._landed or self._exposed or offered:
+                    await self._abandon()  # we hold (or may be handed) the key, never used
+            finally:
+                self._companion.room.in_use.discard(self._token)
             raise
 
     async def _wait(self) -> Grant:
@@ -268,6 +276,7 @@ class Acquisition:
                 # A failed attempt offers our token to other clients' releasers (see
                 # HANDOFF), who may then grant us the key; its lease counts from t_send.
                 self._exposed = True
+                room.in_use.add(self._token)  # (until it failed, or its lease ended)
                 args[6] = repr(t_send)
             try:
                 try:

@@ -63,14 +63,17 @@ async def give_back(held: Lease, *, shielded: bool) -> Wake:
     if successor is not None and (successor.offered or successor.grant is not None):
         successor = None
     t_offer = held._companion.loop.time()
+    behind: Waiter | None = None
     if successor is not None:
         successor.offered = True  # from now on the key may hold its token
         # HANDOFF may register us, offering the successor's token to other clients, or
         # that of the waiter behind it; replies refine the registration
         successor.exposed = True
-        behind = room.second(channel)
+        behind = room.second(channel)  # (fixed here: it is the one HANDOFF may offer)
         if behind is not None:
             behind.exposed = True
+            room.in_use.add(behind.token)
+        room.in_use.add(successor.token)
         room.set_registered(channel, True)
     limit = held._options.release_timeout
     deadline = t_offer + limit
@@ -79,7 +82,12 @@ async def give_back(held: Lease, *, shielded: bool) -> Wake:
         nonlocal runs
         runs += 1  # a second run (after a native cancellation) is not definitive
         return _release(
-            held, first=runs == 1, successor=successor, t_offer=t_offer, deadline=deadline
+            held,
+            first=runs == 1,
+            successor=successor,
+            behind=behind,
+            t_offer=t_offer,
+            deadline=deadline,
         )
 
     try:
@@ -117,7 +125,13 @@ class _Outcome(enum.Enum):
 
 
 async def _release(
-    held: Lease, *, first: bool, successor: Waiter | None, t_offer: float, deadline: float
+    held: Lease,
+    *,
+    first: bool,
+    successor: Waiter | None,
+    behind: Waiter | None,
+    t_offer: float,
+    deadline: float,
 ) -> _Outcome | None:
     """Release ``held``. Returns NOT_OURS if Redis answered that the key was not ours
     while we still believed we held it (the work may have overlapped another holder); None
@@ -149,7 +163,6 @@ async def _release(
             options.void_key(successor.token),
             options.waiting_key,
         ]
-        behind = companion.room.second(options.channel)
         args = [
             held._owner(),
             successor.token,
@@ -226,6 +239,7 @@ async def settle(held: Lease, wake: Wake) -> None:
     held._end()
     held._scope = None
     room = held._companion.room
+    room.in_use.discard(held.token)  # (a grant to it from now on is given back)
     if wake is Wake.OTHERS:
         room.wake_with_others(held._options.channel)
     else:

@@ -7,8 +7,11 @@ they live in one Redis Cluster slot)::
     P{N}:fence           the last fencing token minted; PX = a day or 10 x ttl
     P{N}:void:<token>    tombstone of an abandoned acquire attempt; PX = max(3 x ttl, 10 s)
     P{N}:waiting         hash: origin id of a client with waiters -> "<since>:<until>"
-                         (server ms); written by blocking waits, read by HANDOFF
+                         (server ms), then ":<token>:<loop time>:<ttl ms>" when the
+                         client offers its first waiter's token for a grant; written
+                         by blocking waits, read by HANDOFF
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
+                         (the releaser's origin id), or to announce a grant
 
 The value carries the fencing token so that an acquire retried after a lost reply can
 answer with the same token it minted the first time. Every owner check compares the
@@ -396,6 +399,7 @@ ABANDON = Script(
 -- attempt arriving later would then be refused by the same limit.
 local entry = redis.call('HGET', KEYS[3], ARGV[4])
 if entry and string.find(entry, ':' .. ARGV[1] .. ':', 1, true) then
+  redis.call('HDEL', KEYS[3], ARGV[4])  -- (first: a write that maxmemory never refuses)
   redis.pcall('HSET', KEYS[3], ARGV[4], string.match(entry, '^%d+:%d+'))
 end
 local current = redis.call('GET', KEYS[1])

@@ -9,9 +9,14 @@ one subscription connection per client serves every lock waited on.
 A release with a waiter in the releasing client's own line hands the key straight to that
 waiter (the ``HANDOFF`` script; see ``Waiter``). To keep other clients from being starved
 by such local handoffs, blocking waits register their client in Redis (a hash of origin ->
-since/until, written by failed attempts); once another client's waiter has been registered
-for a few milliseconds, the release is a plain one and the releasing client's head stands
-back (``wake_with_others``) until the other client's release notification, or ``_YIELD``.
+since/until, written by failed attempts), offering the token of their first waiter with
+the loop time at which the registration was sent. Once another client's waiter has been
+registered for a few milliseconds, the release grants the key to that client's offered
+token and publishes the grant; the client picks it up here (``_granted``) and the waiter
+counts its lease from its offer's loop time, which precedes the grant. Without an offer
+the release is a plain one. Either way the releasing client's head stands back
+(``wake_with_others``) until the next release notification, or ``_YIELD``, then tries, and
+so learns how long to wait at most.
 
 A waiter subscribes before the attempt that precedes its wait, so no release can slip
 between a failed attempt and the subscription. Notifications are only a hint: the head
@@ -89,6 +94,9 @@ class WaitingRoom:
         self._registered: set[str] = set()  # channels for which we may be registered waiting
         self._background: set[asyncio.Task[object]] = set()  # work made in passing
         self._subscribing: asyncio.Task[object] | None = None  # (one of them)
+        self.in_use: set[str] = set()
+        """Tokens of this client's acquires that offered their token, until the acquire
+        failed or its lease ended: a grant to one of them is never undone."""
         self.on_orphan: Callable[[str, str], Coroutine[Any, Any, object]] | None = None
         """Undoes a grant to a token of ours that no waiter holds any more: (channel,
         token); run in the background."""
@@ -306,8 +314,11 @@ class WaitingRoom:
                 waiter.grant = (fence, t_offer)
                 waiter.event.set()
                 return
-        # Nobody of ours waits with that token any more (it gave up, or was served
-        # otherwise since): give the key back.
+        if token in self.in_use:
+            # Not waiting any more, but its acquire goes on or its lease is held: its own
+            # attempt found the key granted to it (and took it, same fencing token).
+            return
+        # Nobody of ours waits with that token or holds a lease with it: give it back.
         if self.on_orphan is not None:
             self.in_background(self.on_orphan(channel, token))
 
