@@ -267,14 +267,28 @@ class Acquisition:
             on_success,
             "",  # (our send time, when offering our token: see below)
         ]
+        waiter = self._waiter
+        offer = (
+            waiting
+            and in_line
+            and waiter is not None
+            and room.is_head(channel, waiter)
+            and room.listening(channel)
+        )
         before = cancelling()
         client: Redis | Lane = self._companion.lane
         may_have_landed = False
         while True:
             t_send = self._loop.time()
-            if waiting:
-                # A failed attempt offers our token to other clients' releasers (see
-                # HANDOFF), who may then grant us the key; its lease counts from t_send.
+            if offer:
+                # A failed attempt of the head of our line offers our token to other
+                # clients' releasers (see HANDOFF), who may then grant us the key; its
+                # lease counts from t_send. Only a listening head offers: a grant is read
+                # from the subscription, and should its notification be missed anyway
+                # (the subscription broke), the head's next attempt finds the key holding
+                # its own token and takes it. (Concurrent first attempts, made before
+                # joining the line, are not heads: the one that joins second would wait,
+                # never trying, and the key granted to it with it.)
                 self._exposed = True
                 room.in_use.add(self._token)  # (until it failed, or its lease ended)
                 args[6] = repr(t_send)

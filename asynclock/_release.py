@@ -162,6 +162,7 @@ async def _release(
             options.fence_key,
             options.void_key(successor.token),
             options.waiting_key,
+            options.void_key("" if behind is None else behind.token),
         ]
         args = [
             held._owner(),

@@ -177,9 +177,10 @@ ACQUIRE = Script(
 -- long (ms), ARGV[6] what a success does to the registration: 'keep' (more waiters of
 -- ours are in line: they wait from now on), 'drop' (none: unregister) or '' (nothing),
 -- ARGV[7] the sender's loop time at sending, when the attempt is made by the head of
--- its client's line ('' otherwise): a failed attempt then also registers ARGV[1], ARGV[2]
--- and ARGV[7], so that another client's releaser may grant the lock to this token
--- (HANDOFF); the sender counts a granted lease from ARGV[7], which precedes the grant
+-- its client's line, listening for grants ('' otherwise): a failed attempt then also
+-- registers ARGV[1], ARGV[2] and ARGV[7], so that another client's releaser may grant
+-- the lock to this token (HANDOFF); the sender counts a granted lease from ARGV[7], which
+-- precedes the grant. Otherwise an offer of another token of ours (the head's) stays.
 -- returns {1, fencing token} when held by this token (new, or a retry of ours),
 --         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
@@ -191,10 +192,17 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function register(since, now, exposed)
+local function register(since, now, exposed, old)
+  -- `old`: the client's current entry (or nil); an offer in it of another token of ours
+  -- (our line's head) stays, unless this attempt offers its own
   local entry = string.format('%d:%d', since, now + ARGV[5])
   if exposed then
     entry = entry .. ':' .. ARGV[1] .. ':' .. ARGV[7] .. ':' .. ARGV[2]
+  elseif old then
+    local offer = string.match(old, '^%d+:%d+(:.*)$')
+    if offer and not string.find(offer, ':' .. ARGV[1] .. ':', 1, true) then
+      entry = entry .. offer
+    end
   end
   redis.pcall('HSET', KEYS[4], ARGV[4], entry)
   if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[5]) then  -- only ever extended
@@ -204,7 +212,7 @@ end
 local function on_success()
   if ARGV[6] == 'keep' then
     local now = now_ms()
-    register(now, now, false)
+    register(now, now, false, redis.call('HGET', KEYS[4], ARGV[4]))
   elseif ARGV[6] == 'drop' then
     redis.call('HDEL', KEYS[4], ARGV[4])
   elseif ARGV[4] ~= '' then  -- no longer offer this token to other clients' releasers
@@ -232,7 +240,7 @@ if current then
         since = tonumber(s)
       end
     end
-    register(since, now, ARGV[7] ~= '')
+    register(since, now, ARGV[7] ~= '', entry)
   end
   return {0, redis.call('PTTL', KEYS[1])}
 end
@@ -288,14 +296,18 @@ HANDOFF = Script(
 -- WaitingRoom.wake_with_others).
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
 -- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time),
--- followed by ":<token>:<loop time>:<ttl ms>" when that client offers a token
+-- followed by ":<token>:<loop time>:<ttl ms>" when that client offers a token,
+-- KEYS[5] the tombstone of the waiter behind the next holder (see ARGV[11])
 -- ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms),
 -- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
 -- ARGV[7] 'keep' if our line still has waiters behind the next holder, else 'drop',
 -- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms), ARGV[10] our loop time at
 -- sending, ARGV[11] the token of the waiter behind the next holder ('' if none) and
 -- ARGV[12] its ttl (ms): our registration offers the next holder's token when the key
--- does not go to it, else ARGV[11]
+-- does not go to it, else ARGV[11] (neither if its tombstone exists: it gave up).
+-- An offered token is never tombstoned: ABANDON withdraws the offer when it writes the
+-- tombstone, and ACQUIRE and this script offer no tombstoned token, so a grant needs no
+-- look at the granted token's tombstone (a key this script was not given).
 -- returns {1, fencing token} when the key now belongs to the next token,
 --         {3, fencing token} when it already did (the next holder took it by an attempt
 --           of its own, or this is a retry after our handoff landed); its expiry is
@@ -352,7 +364,7 @@ local function keep_registered()  -- our line after the key went elsewhere
 end
 if due then
   local token, loop_time, ttl = string.match(due_entry, '^%d+:%d+:(%x+):([^:]+):(%d+)$')
-  if token and redis.call('EXISTS', KEYS[1] .. ':void:' .. token) == 0 then
+  if token then
 """
     + _MINT_FENCE
     + """    redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
@@ -377,7 +389,11 @@ end
 redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
 if ARGV[7] == 'keep' then
-  register(ARGV[11], ARGV[12])
+  if ARGV[11] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
+    register('', 0)
+  else
+    register(ARGV[11], ARGV[12])
+  end
 else
   redis.call('HDEL', KEYS[4], ARGV[6])
 end
@@ -410,7 +426,9 @@ if current and string.sub(current, 1, #mine) == mine then
   redis.call('PUBLISH', ARGV[3], ARGV[4])
   deleted = 1
 end
-redis.pcall('SET', KEYS[2], '1', 'PX', ARGV[2])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[2]) then  -- (never shortened)
+  redis.pcall('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
 return deleted
 """,
 )

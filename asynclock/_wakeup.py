@@ -130,6 +130,11 @@ class WaitingRoom:
         line = self._lines.get(channel)
         return len(line) if line else 0
 
+    def listening(self, channel: str) -> bool:
+        """Whether release notifications (and grants) on ``channel`` reach this client: its
+        subscription is confirmed and has not broken since."""
+        return self._healthy and channel in self._confirmed
+
     def registered(self, channel: str) -> bool:
         """Whether this client may be registered in Redis as waiting for the lock."""
         return channel in self._registered
@@ -308,7 +313,9 @@ class WaitingRoom:
         except ValueError:
             log.debug("asynclock: unexpected message on %s: %r", channel, payload)
             return
-        self._registered.discard(channel)  # (the releaser dropped our registration)
+        # (The releaser dropped our registration, but an attempt of ours may have written
+        # a new one since, its reply read before this: ``_registered`` stays as it is, a
+        # "may be registered" that costs at most one needless unregister.)
         for waiter in self._lines.get(channel, ()):
             if waiter.token == token:
                 waiter.grant = (fence, t_offer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from typing import Any
 
@@ -319,3 +320,41 @@ async def test_a_repeated_grant_to_a_held_lease_is_not_undone(
 
 async def _exists(redis: Redis, key: str) -> bool:
     return bool(await redis.exists(key))
+
+
+async def test_only_the_head_of_a_line_offers_its_token(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """Waiters that start together each make a first attempt before joining the line; one
+    of them joins behind the other. A token offered by such an attempt could be granted to
+    a waiter that, not being the head, never tries again: should the grant's notification
+    be missed (the client was not yet subscribed), the key would sit unused for its TTL.
+    So only the head of a line offers its token, once its client listens for grants."""
+    name = "heads-only"
+    a, b = make_client(redis_server.url), make_client(redis_server.url)
+    await b.script_load(ACQUIRE.source)  # (so every attempt shows up as one EVALSHA)
+    holder = _Holder(a, name, prefix)
+    await holder.held.wait()
+    origin = companion_for(b).room.origin
+    offered: list[str] = []
+    async with Monitor(redis_server.url) as monitor:
+        for _ in range(6):
+            start = len(monitor.lines)
+            waiters = [_Holder(b, name, prefix) for _ in range(3)]
+            await wait_until(lambda: _in_line(b, name, prefix, 3), what="B's waiters in line")
+            await wait_until(lambda: _offered_and_due(b, name, prefix), what="B's offer")
+            head = _head_token(b, name, prefix)
+            await monitor.mark()
+            for line in monitor.lines[start:]:
+                args = re.findall(r'"([^"]*)"', line)
+                if ACQUIRE.sha in args and origin in args and args[-1]:  # (ARGV[7]: offer)
+                    offered.append(args[-7])  # (ARGV[1]: the token)
+                    assert args[-7] == head, (args, head)
+            for waiter in waiters:
+                waiter.task.cancel()
+            await asyncio.gather(*(w.task for w in waiters), return_exceptions=True)
+            parts = await _offer(b, name, prefix)
+            assert parts is None or len(parts) == 2, parts  # the offer was withdrawn
+    assert offered  # (the heads did offer)
+    holder.release.set()
+    await holder.task
