@@ -59,6 +59,12 @@ client has been registered this long (ms); then it grants the lock to that clien
 offered token, or lets every client compete (see HANDOFF)."""
 
 
+GRANT_FRESH_MS: Final = 1000
+"""How old (ms) another client's offer may be for a release to grant it the key (and at
+most a third of its TTL); an older offer gets a plain release and a wake-up instead. This
+bounds how long after a waiter's last attempt a grant can go to a waiter that died."""
+
+
 def fence_ttl_ms(ttl_ms: int) -> int:
     """How long (ms) a lock's fencing counter outlives its last write: a day, or 10 x ttl."""
     return max(_DAY_MS, 10 * ttl_ms)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from redis.exceptions import MaxConnectionsError
 
-from ._acquire import HANDOFF_PATIENCE_MS, fence_ttl_ms, register_ms, unregister
+from ._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, fence_ttl_ms, register_ms, unregister
 from ._connections import Companion
 from ._events import LeaseEventKind
 from ._exceptions import LossReason
@@ -177,6 +177,7 @@ async def _release(
             repr(t_offer),
             "" if behind is None else behind.token,
             0 if behind is None else behind.ttl_ms,
+            GRANT_FRESH_MS,
         ]
     try:
         reply = await script(companion.lane, keys, args, deadline)

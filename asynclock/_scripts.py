@@ -7,9 +7,9 @@ they live in one Redis Cluster slot)::
     P{N}:fence           the last fencing token minted; PX = a day or 10 x ttl
     P{N}:void:<token>    tombstone of an abandoned acquire attempt; PX = max(3 x ttl, 10 s)
     P{N}:waiting         hash: origin id of a client with waiters -> "<since>:<until>"
-                         (server ms), then ":<token>:<loop time>:<ttl ms>" when the
-                         client offers its first waiter's token for a grant; written
-                         by blocking waits, read by HANDOFF
+                         (server ms), then ":<token>:<loop time>:<ttl ms>:<at ms>"
+                         when the client offers its first waiter's token for a grant
+                         (made at <at ms>); written by blocking waits, read by HANDOFF
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
                          (the releaser's origin id), or to announce a grant
 
@@ -197,7 +197,7 @@ local function register(since, now, exposed, old)
   -- (our line's head) stays, unless this attempt offers its own
   local entry = string.format('%d:%d', since, now + ARGV[5])
   if exposed then
-    entry = entry .. ':' .. ARGV[1] .. ':' .. ARGV[7] .. ':' .. ARGV[2]
+    entry = entry .. ':' .. ARGV[1] .. ':' .. ARGV[7] .. ':' .. ARGV[2] .. ':' .. now
   elseif old then
     local offer = string.match(old, '^%d+:%d+(:.*)$')
     if offer and not string.find(offer, ':' .. ARGV[1] .. ':', 1, true) then
@@ -296,7 +296,8 @@ HANDOFF = Script(
 -- WaitingRoom.wake_with_others).
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
 -- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time),
--- followed by ":<token>:<loop time>:<ttl ms>" when that client offers a token,
+-- followed by ":<token>:<loop time>:<ttl ms>:<at ms>" when that client offers a token
+-- (made at <at ms>, server time),
 -- KEYS[5] the tombstone of the waiter behind the next holder (see ARGV[11])
 -- ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms),
 -- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
@@ -304,7 +305,11 @@ HANDOFF = Script(
 -- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms), ARGV[10] our loop time at
 -- sending, ARGV[11] the token of the waiter behind the next holder ('' if none) and
 -- ARGV[12] its ttl (ms): our registration offers the next holder's token when the key
--- does not go to it, else ARGV[11] (neither if its tombstone exists: it gave up).
+-- does not go to it, else ARGV[11] (neither if its tombstone exists: it gave up),
+-- ARGV[13] how old (ms) an offer may be to be granted, at most (and never more than a
+-- third of the offered TTL): an older one gets a plain release instead, which wakes its
+-- waiter to try (and offer anew). A waiter that died leaves an offer behind; this bounds
+-- how long after its last attempt a grant can still give it the key.
 -- An offered token is never tombstoned: ABANDON withdraws the offer when it writes the
 -- tombstone, and ACQUIRE and this script offer no tombstoned token, so a grant needs no
 -- look at the granted token's tombstone (a key this script was not given).
@@ -334,7 +339,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function register(token, ttl)  -- our line waits on, from now
   local entry = string.format('%d:%d', now, now + ARGV[8])
   if token ~= '' then
-    entry = entry .. ':' .. token .. ':' .. ARGV[10] .. ':' .. ttl
+    entry = entry .. ':' .. token .. ':' .. ARGV[10] .. ':' .. ttl .. ':' .. now
   end
   redis.pcall('HSET', KEYS[4], ARGV[6], entry)
   if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[8]) then  -- only ever extended
@@ -363,8 +368,9 @@ local function keep_registered()  -- our line after the key went elsewhere
   end
 end
 if due then
-  local token, loop_time, ttl = string.match(due_entry, '^%d+:%d+:(%x+):([^:]+):(%d+)$')
-  if token then
+  local token, loop_time, ttl, at =
+    string.match(due_entry, '^%d+:%d+:(%x+):([^:]+):(%d+):(%d+)$')
+  if token and now - tonumber(at) <= math.min(tonumber(ARGV[13]), tonumber(ttl) / 3) then
 """
     + _MINT_FENCE
     + """    redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)

@@ -14,7 +14,7 @@ from helpers import Monitor, wait_until
 from redis.asyncio import Redis
 
 import asynclock
-from asynclock._acquire import HANDOFF_PATIENCE_MS
+from asynclock._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS
 from asynclock._connections import companion_for
 from asynclock._scripts import ABANDON, ACQUIRE, HANDOFF, RELEASE
 
@@ -29,7 +29,8 @@ def _text(value: Any) -> str:
 
 async def _offer(redis: Redis, name: str, prefix: str) -> list[str] | None:
     """The parts of ``redis``'s registration for the lock: [since, until, token,
-    loop time, ttl] when it offers a token, [since, until] when not, None if absent."""
+    loop time, ttl, offered at] when it offers a token, [since, until] when not, None if
+    absent."""
     origin = companion_for(redis).room.origin
     raw = await redis.hget(f"{prefix}{{{name}}}:waiting", origin)
     return None if raw is None else _text(raw).split(":")
@@ -39,11 +40,15 @@ async def _offered_and_due(redis: Redis, name: str, prefix: str) -> bool:
     """Whether ``redis``'s client offers a token for the lock, registered long enough
     (the patience, with a margin) for another client's releaser to serve it."""
     parts = await _offer(redis, name, prefix)
-    if parts is None or len(parts) != 5:
+    if parts is None or len(parts) != 6:
         return False
+    return await _now_ms(redis) - int(parts[0]) >= 2 * HANDOFF_PATIENCE_MS
+
+
+async def _now_ms(redis: Redis) -> int:
+    """The server's clock, in ms."""
     seconds, micros = await redis.time()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    return now_ms - int(parts[0]) >= 2 * HANDOFF_PATIENCE_MS
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 async def _in_line(redis: Redis, name: str, prefix: str, n: int) -> bool:
@@ -170,7 +175,8 @@ async def test_a_grant_to_a_token_nobody_waits_with_is_given_back(
     assert parts is not None
     origin = companion_for(b).room.origin
     ghost = "0" * 31 + "9"
-    await a.hset(key + ":waiting", origin, ":".join([*parts[:2], ghost, "0.0", "30000"]))
+    fresh = str(await _now_ms(a))
+    await a.hset(key + ":waiting", origin, ":".join([*parts[:2], ghost, "0.0", "30000", fresh]))
     started = time.monotonic()
     first.release.set()
     local.release.set()  # (both leave as soon as they are in)
@@ -196,9 +202,9 @@ async def test_a_grant_to_a_dead_waiter_costs_at_most_its_ttl(
     await first.held.wait()
     local = _Holder(a, name, prefix)
     await wait_until(lambda: _in_line(a, name, prefix, 1), what="A's waiter in line")
-    seconds, _ = await a.time()
-    since = (int(seconds) - 1) * 1000
-    entry = f"{since}:{since + 60_000}:{'d' * 32}:0.0:600"
+    now = await _now_ms(a)
+    since = now - 1000
+    entry = f"{since}:{since + 60_000}:{'d' * 32}:0.0:600:{now}"  # (fresh: see the next test)
     await a.hset(key + ":waiting", "dead-client", entry)
     first.release.set()
     await first.task
@@ -208,6 +214,44 @@ async def test_a_grant_to_a_dead_waiter_costs_at_most_its_ttl(
     assert 0.4 < local.entered_at - released_at < 3.0
     local.release.set()
     await local.task
+    assert await a.exists(key) == 0
+
+
+async def test_an_offer_older_than_the_freshness_limit_gets_a_plain_release(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """B's offer was made more than GRANT_FRESH_MS ago (its waiter may have died since):
+    A's release does not grant it the key but releases it plainly and publishes a wake-up;
+    B's waiter, alive here, takes the lock by an attempt of its own, offering anew."""
+    name = "stale-offer"
+    key = f"{prefix}{{{name}}}"
+    a, b, first, local, outsider = await _two_clients_waiting(
+        make_client, redis_server.url, name, prefix
+    )
+    parts = await _offer(b, name, prefix)
+    assert parts is not None
+    assert len(parts) == 6
+    stale = str(await _now_ms(a) - GRANT_FRESH_MS - 500)
+    origin = companion_for(b).room.origin
+    await a.hset(key + ":waiting", origin, ":".join([*parts[:5], stale]))
+    for script in (HANDOFF, RELEASE, ACQUIRE):  # so each shows up once (no NOSCRIPT)
+        await a.script_load(script.source)
+    async with Monitor(redis_server.url) as monitor:
+        start = len(monitor.lines)
+        first.release.set()
+        await asyncio.wait_for(outsider.held.wait(), 5)
+        await monitor.mark()
+        during = monitor.lines[start:]
+    published = [line for line in during if '"PUBLISH"' in line]
+    assert published, during
+    assert f'"{companion_for(a).room.origin}"' in published[0], published  # plain wake-up
+    assert outsider.lease is not None
+    token = outsider.lease.token
+    assert [line for line in during if ACQUIRE.sha in line and token in line], during
+    outsider.release.set()
+    await asyncio.wait_for(local.held.wait(), 5)
+    local.release.set()
+    await asyncio.gather(first.task, local.task, outsider.task)
     assert await a.exists(key) == 0
 
 
@@ -224,10 +268,13 @@ async def test_a_grant_too_late_to_use_is_refreshed_before_use(
     )
     parts = await _offer(b, name, prefix)
     assert parts is not None
-    assert len(parts) == 5
+    assert len(parts) == 6
     old = repr(asyncio.get_running_loop().time() - 30)
+    fresh = str(await _now_ms(a))
     await a.hset(
-        key + ":waiting", companion_for(b).room.origin, ":".join([*parts[:3], old, parts[4]])
+        key + ":waiting",
+        companion_for(b).room.origin,
+        ":".join([*parts[:3], old, parts[4], fresh]),
     )
     first.release.set()
     await asyncio.wait_for(outsider.held.wait(), 5)

@@ -271,7 +271,7 @@ async def test_handoff_to_a_token_that_already_holds_the_key_renews_it(client: R
     await client.set(key, "next0123:42", px=500)
     reply = await HANDOFF(
         client,
-        [key, key + ":fence", key + ":void:next0123", key + ":waiting"],
+        [key, key + ":fence", key + ":void:next0123", key + ":waiting", key + ":void:"],
         [
             "mine:41",
             "next0123",
@@ -285,6 +285,7 @@ async def test_handoff_to_a_token_that_already_holds_the_key_renews_it(client: R
             "1.0",
             "",
             0,
+            1000,
         ],
     )
     assert [int(x) for x in reply] == [3, 42]  # type: ignore[attr-defined]
