@@ -175,6 +175,8 @@ class Acquisition:
                         failed_first = None
                     else:
                         status, value, t_send = await self._attempt(waiting=True)
+                    if status != 1:
+                        self._landed = False  # (a key granted too late to use is gone)
                     if status == 1:
                         if self._usable(t_send):
                             waiter.offered = False

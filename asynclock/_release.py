@@ -157,6 +157,7 @@ async def _release(
         args: list[Arg] = [held._owner(), options.channel, room.origin]
     else:
         script = HANDOFF
+        listening = room.listening(options.channel)  # (else our line offers no token)
         keys = [
             options.key,
             options.fence_key,
@@ -175,9 +176,10 @@ async def _release(
             register_ms(successor.ttl_ms),
             HANDOFF_PATIENCE_MS,
             repr(t_offer),
-            "" if behind is None else behind.token,
+            "" if behind is None or not listening else behind.token,
             0 if behind is None else behind.ttl_ms,
             GRANT_FRESH_MS,
+            "1" if listening else "",
         ]
     try:
         reply = await script(companion.lane, keys, args, deadline)

@@ -310,6 +310,8 @@ HANDOFF = Script(
 -- third of the offered TTL): an older one gets a plain release instead, which wakes its
 -- waiter to try (and offer anew). A waiter that died leaves an offer behind; this bounds
 -- how long after its last attempt a grant can still give it the key.
+-- ARGV[14] '1' if our client listens for grants (its subscription is confirmed), else
+-- '': then our registration offers no token (a grant it missed would idle the lock).
 -- An offered token is never tombstoned: ABANDON withdraws the offer when it writes the
 -- tombstone, and ACQUIRE and this script offer no tombstoned token, so a grant needs no
 -- look at the granted token's tombstone (a key this script was not given).
@@ -360,7 +362,7 @@ end
 local abandoned = redis.call('EXISTS', KEYS[3]) == 1
 local function keep_registered()  -- our line after the key went elsewhere
   if not abandoned then
-    register(ARGV[2], ARGV[3])
+    register(ARGV[14] ~= '' and ARGV[2] or '', ARGV[3])
   elseif ARGV[7] == 'keep' then
     register('', 0)
   else

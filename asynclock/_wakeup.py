@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 __all__ = ["Waiter", "WaitingRoom"]
@@ -45,6 +46,8 @@ log = logging.getLogger("asynclock")
 _SUBSCRIBE_LIMIT = 1.0  # seconds a waiter waits for a subscription to be confirmed
 _YIELD = 0.02  # seconds our head stands back after a release that others compete for
 _STALE_CHANNELS = 64  # unused subscriptions kept before they are dropped in one batch
+_HEARTBEAT = 1.0  # seconds of silence on the subscription, while waiters wait, before a PING
+_HEARD_WITHIN = 3 * _HEARTBEAT  # a subscription silent for longer is not trusted to listen
 
 
 class Waiter:
@@ -87,6 +90,7 @@ class WaitingRoom:
         self._confirmed: set[str] = set()
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._healthy = False
+        self._heard = -math.inf  # loop time the subscription connection last answered
         self._starting = asyncio.Lock()
         self._subscribed: set[str] = set()  # channels sent SUBSCRIBE and not UNSUBSCRIBE
         # heads standing back for other clients' waiters: channel -> the timer's handle
@@ -132,8 +136,16 @@ class WaitingRoom:
 
     def listening(self, channel: str) -> bool:
         """Whether release notifications (and grants) on ``channel`` reach this client: its
-        subscription is confirmed and has not broken since."""
-        return self._healthy and channel in self._confirmed
+        subscription is confirmed, has not broken since, and the connection answered within
+        the last ``_HEARD_WITHIN`` seconds (while waiters wait, a silent subscription is
+        pinged every ``_HEARTBEAT``: a connection dropped without a word, by a NAT or a load
+        balancer, must not go on being trusted to carry grants)."""
+        return (
+            self._healthy
+            and channel in self._confirmed
+            and channel in self._subscribed
+            and asyncio.get_running_loop().time() - self._heard <= _HEARD_WITHIN
+        )
 
     def registered(self, channel: str) -> bool:
         """Whether this client may be registered in Redis as waiting for the lock."""
@@ -222,8 +234,9 @@ class WaitingRoom:
                 future = self._pending[channel] = asyncio.get_running_loop().create_future()
                 stale = self._subscribed - self._lines.keys() - {channel}
                 if len(stale) >= _STALE_CHANNELS:
-                    await self._connection.send_command("UNSUBSCRIBE", *stale)
                     self._subscribed -= stale
+                    self._confirmed -= stale  # (not listening from now on)
+                    await self._connection.send_command("UNSUBSCRIBE", *stale)
                 self._subscribed.add(channel)
                 await self._connection.send_command("SUBSCRIBE", channel)
             async with asyncio.timeout(_SUBSCRIBE_LIMIT):
@@ -254,14 +267,28 @@ class WaitingRoom:
 
     async def _read(self) -> None:
         backoff = 0.05
+        loop = asyncio.get_running_loop()
+        pinged = False
+        self._heard = loop.time()
         while True:
             try:
                 if not self._healthy:
                     await self._connection.connect()
+                    self._heard = loop.time()
+                    pinged = False
                     if self._subscribed:
                         await self._connection.send_command("SUBSCRIBE", *self._subscribed)
                     self._healthy = True
-                reply = await self._connection.read_response(timeout=math.inf)
+                reply = await self._connection.read_response(timeout=_HEARTBEAT)
+                if reply is None:  # silence for _HEARTBEAT seconds
+                    if pinged:
+                        raise RedisConnectionError("the subscription did not answer a PING")
+                    if self._lines:  # (nobody waits: silence is fine)
+                        await self._connection.send_command("PING")
+                        pinged = True
+                    continue
+                self._heard = loop.time()
+                pinged = False
                 backoff = 0.05
             except (RedisError, OSError) as exc:
                 log.debug("asynclock: wake-up subscription broken: %r", exc)

@@ -405,3 +405,60 @@ async def test_only_the_head_of_a_line_offers_its_token(
     assert offered  # (the heads did offer)
     holder.release.set()
     await holder.task
+
+
+async def test_a_subscription_gone_silent_stops_offering(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """B's subscription connection is cut without a word (a blackholed TCP path, as a NAT
+    or load balancer that drops an idle connection leaves it): B's client must stop
+    trusting it within seconds (it pings a silent subscription while waiters wait), and
+    its waiters then offer no token, so A's release does not grant B a key whose
+    notification B would never read; the lock goes on to A's own waiter instead of
+    idling for B's 30 s ttl."""
+    from asynclock.testing import FaultProxy, ProxyMode
+
+    name = "deaf"
+    key = f"{prefix}{{{name}}}"
+    channel = _channel(name, prefix)
+    a, b = make_client(redis_server.url), make_client(redis_server.url)
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    async with FaultProxy("127.0.0.1", port) as proxy:
+        room = companion_for(b).room
+        room._settings.update(host=proxy.host, port=proxy.port)  # (only its subscription)
+        first = _Holder(a, name, prefix)
+        await first.held.wait()
+        local = _Holder(a, name, prefix)
+        await wait_until(lambda: _in_line(a, name, prefix, 1), what="A's waiter in line")
+        outsider = _Holder(b, name, prefix)  # subscribes B, through the proxy
+        await wait_until(lambda: _offered_and_due(b, name, prefix), what="B's offer")
+        assert room.listening(channel)
+        token = _head_token(b, name, prefix)
+        proxy.set_mode(ProxyMode.BLACKHOLE)
+        try:
+            await wait_until(
+                lambda: _is_deaf(room, channel), limit=10.0, what="B to stop trusting it"
+            )
+            # (the broken subscription woke B's head, whose attempt withdrew the offer)
+            await wait_until(lambda: _registered_not_offered(b, name, prefix), what="no offer")
+            released_at = time.monotonic()
+            first.release.set()
+            await asyncio.wait_for(local.held.wait(), 5)
+            assert local.entered_at - released_at < 3.0  # not B's 30 s ttl
+            assert not _text(await a.get(key)).startswith(token + ":")
+            local.release.set()
+            await asyncio.gather(first.task, local.task)
+            outsider.task.cancel()  # (deaf, it would wait for its PTTL fallback)
+            await asyncio.gather(outsider.task, return_exceptions=True)
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+    assert await a.exists(key) == 0
+
+
+async def _is_deaf(room: Any, channel: str) -> bool:
+    return not room.listening(channel)
+
+
+async def _registered_not_offered(redis: Redis, name: str, prefix: str) -> bool:
+    parts = await _offer(redis, name, prefix)
+    return parts is not None and len(parts) == 2
