@@ -162,7 +162,9 @@ async def test_exhausted_pool_does_not_starve_renewals(
 
 async def test_many_leases_renew_in_pipelines(private_server: RedisServer, prefix: str):
     """300 leases of one client renew without loss, their renewals coalesced into a few
-    pipelines per tick (the server reads far fewer times than it renews)."""
+    pipelines per tick (the server reads far fewer times than it renews). The ttl (1.5 s,
+    renewed every 0.5 s) leaves a second of slack: a VM that freezes the whole process
+    for longer than that loses leases rightly, and did so once at a ttl of 0.6 s."""
     client = Redis.from_url(private_server.url, max_connections=400)
     observer = Redis.from_url(private_server.url)
     renewals = 0
@@ -179,7 +181,7 @@ async def test_many_leases_renew_in_pipelines(private_server: RedisServer, prefi
 
     async def hold(i: int) -> None:
         nonlocal entered
-        async with asynclock.lease(client, f"n{i}", ttl=0.6, prefix=prefix, on_event=on_event):
+        async with asynclock.lease(client, f"n{i}", ttl=1.5, prefix=prefix, on_event=on_event):
             entered += 1
             if entered == 300:
                 all_in.set()
@@ -190,7 +192,7 @@ async def test_many_leases_renew_in_pipelines(private_server: RedisServer, prefi
         await all_in.wait()
         reads_before = int((await observer.info("stats"))["total_reads_processed"])
         renewals_before = renewals
-        await asyncio.sleep(2.0)  # the holding period under test
+        await asyncio.sleep(3.0)  # the holding period under test
         reads = int((await observer.info("stats"))["total_reads_processed"]) - reads_before
         renewed = renewals - renewals_before
         done.set()
@@ -199,7 +201,7 @@ async def test_many_leases_renew_in_pipelines(private_server: RedisServer, prefi
         await client.aclose()
         await observer.aclose()
     assert losses == 0
-    assert renewed >= 300 * 8  # every 0.2 s for 2 s
+    assert renewed >= 300 * 5  # every 0.5 s for 3 s
     assert reads < renewed / 10, (reads, renewed)
 
 
