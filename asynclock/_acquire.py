@@ -36,7 +36,7 @@ from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
 from ._lane import Lane, exchange
 from ._options import LeaseOptions
-from ._scripts import ABANDON, ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
+from ._scripts import ACQUIRE, UNKNOWN_OUTCOME, Arg
 from ._shield import cancel_dropped, cancelling, finish
 from ._wakeup import Waiter
 
@@ -90,7 +90,7 @@ class Grant(NamedTuple):
 class Acquisition:
     """One acquire: a single attempt, or the wait in the local line until one succeeds."""
 
-    __slots__ = ("_companion", "_exposed", "_landed", "_loop", "_options", "_token", "_waiter")
+    __slots__ = ("_companion", "_landed", "_loop", "_options", "_token", "_waiter")
 
     def __init__(self, companion: Companion, options: LeaseOptions) -> None:
         self._companion = companion
@@ -98,7 +98,6 @@ class Acquisition:
         self._loop = companion.loop
         self._token = secrets.token_hex(16)
         self._landed = False  # our key is (or may be) set but not handed out
-        self._exposed = False  # our token may be offered to other clients' releasers
         self._waiter: Waiter | None = None  # our place in the local line while waiting
 
     async def run(self) -> Grant:
@@ -125,7 +124,7 @@ class Acquisition:
             waiter = self._waiter
             offered = waiter is not None and (waiter.offered or waiter.exposed)
             try:
-                if self._landed or self._exposed or offered:
+                if self._landed or offered:
                     await self._abandon()  # we hold (or may be handed) the key, never used
             finally:
                 self._companion.room.in_use.discard(self._token)
@@ -175,8 +174,6 @@ class Acquisition:
                         failed_first = None
                     else:
                         status, value, t_send = await self._attempt(waiting=True)
-                    if status != 1:
-                        self._landed = False  # (a key granted too late to use is gone)
                     if status == 1:
                         if self._usable(t_send):
                             waiter.offered = False
@@ -186,6 +183,7 @@ class Acquisition:
                             raise AcquireTimeout(options.name, timeout or 0.0, "Redis is slow")
                         waiter.event.set()  # try again at once: it refreshes our own key
                         continue
+                    self._landed = False  # (a key granted too late to use is gone)
                     if not subscribed:
                         subscribed = True
                         if await room.subscribe(channel):
@@ -275,20 +273,18 @@ class Acquisition:
             on_success,
             "",  # (our send time, when offering our token: see below)
         ]
-        waiter = self._waiter
-        offer = (
-            waiting
-            and in_line
-            and waiter is not None
-            and room.is_head(channel, waiter)
-            and room.listening(channel)
-        )
+        # (the waiter whose token a failed attempt offers: see below)
+        offering = self._waiter if waiting and in_line else None
+        if offering is not None and not (
+            room.is_head(channel, offering) and room.listening(channel)
+        ):
+            offering = None
         before = cancelling()
         client: Redis | Lane = self._companion.lane
         may_have_landed = False
         while True:
             t_send = self._loop.time()
-            if offer:
+            if offering is not None:
                 # A failed attempt of the head of our line offers our token to other
                 # clients' releasers (see HANDOFF), who may then grant us the key; its
                 # lease counts from t_send. Only a listening head offers: a grant is read
@@ -297,7 +293,7 @@ class Acquisition:
                 # its own token and takes it. (Concurrent first attempts, made before
                 # joining the line, are not heads: the one that joins second would wait,
                 # never trying, and the key granted to it with it.)
-                self._exposed = True
+                offering.exposed = True
                 room.in_use.add(self._token)  # (until it failed, or its lease ended)
                 args[6] = repr(t_send)
             try:
@@ -342,16 +338,9 @@ class Acquisition:
         """Undo an attempt that may have landed, and stop it from landing later."""
         options = self._options
         companion = self._companion
-        keys = [options.key, options.void_key(self._token), options.waiting_key]
-        args: list[Arg] = [
-            self._token,
-            max(10_000, 3 * options.ttl_ms),
-            options.channel,
-            companion.room.origin,
-        ]
-        undo = run_idempotent(ABANDON, companion.lane, companion.overflow, keys, args)
+        tombstone_ms = max(10_000, 3 * options.ttl_ms)
         try:
-            await finish(undo, options.release_timeout)
+            await companion.abandon(options.key, self._token, tombstone_ms, options.release_timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

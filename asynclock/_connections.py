@@ -152,16 +152,24 @@ class Companion:
             self._overflow = Redis.from_pool(pool)
         return self._overflow
 
+    async def abandon(self, key: str, token: str, tombstone_ms: int, limit: float) -> None:
+        """Run ABANDON for ``token`` on the lock whose lease key is ``key`` (see the
+        script): delete the key if it holds that token, withdraw the token's offer, and
+        tombstone it for ``tombstone_ms``; shielded, within ``limit`` seconds.
+
+        Raises what the exchange raised (a Redis or connection error, ``TimeoutError``).
+        """
+        keys = [key, f"{key}:void:{token}", key + ":waiting"]
+        args: list[Arg] = [token, tombstone_ms, key + ":released", self.room.origin]
+        await finish(run_idempotent(ABANDON, self.lane, self.overflow, keys, args), limit)
+
     async def _undo_grant(self, channel: str, token: str) -> None:
         """Give back a key that another client's releaser granted to ``token``, a waiter
         of ours that is gone (see ``WaitingRoom._granted``): delete it if it still holds
         that token, and tombstone the token. Best effort: the key expires by its TTL."""
         key = channel.removesuffix(":released")
-        keys = [key, f"{key}:void:{token}", key + ":waiting"]
-        args: list[Arg] = [token, _ORPHAN_TOMBSTONE_MS, channel, self.room.origin]
         try:  # (a task of the room's: closing the room waits for it, bounded)
-            undo = run_idempotent(ABANDON, self.lane, self.overflow, keys, args)
-            await finish(undo, _ORPHAN_LIMIT)
+            await self.abandon(key, token, _ORPHAN_TOMBSTONE_MS, _ORPHAN_LIMIT)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

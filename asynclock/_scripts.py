@@ -310,8 +310,8 @@ HANDOFF = Script(
 -- third of the offered TTL): an older one gets a plain release instead, which wakes its
 -- waiter to try (and offer anew). A waiter that died leaves an offer behind; this bounds
 -- how long after its last attempt a grant can still give it the key.
--- ARGV[14] '1' if our client listens for grants (its subscription is confirmed), else
--- '': then our registration offers no token (a grant it missed would idle the lock).
+-- ARGV[14] '1' if our client listens for grants (WaitingRoom.listening), else '': then
+-- our registration offers no token (a grant it missed would idle the lock).
 -- An offered token is never tombstoned: ABANDON withdraws the offer when it writes the
 -- tombstone, and ACQUIRE and this script offer no tombstoned token, so a grant needs no
 -- look at the granted token's tombstone (a key this script was not given).

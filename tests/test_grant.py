@@ -95,6 +95,18 @@ async def _two_clients_waiting(
     return a, b, first, local, outsider
 
 
+async def _b_then_a_and_nothing_left(
+    a: Redis, key: str, first: _Holder, local: _Holder, outsider: _Holder
+) -> None:
+    """B's waiter, holding the lock, leaves; A's own waiter gets it next and leaves; no
+    key is left behind."""
+    outsider.release.set()
+    await asyncio.wait_for(local.held.wait(), 5)
+    local.release.set()
+    await asyncio.gather(first.task, local.task, outsider.task)
+    assert await a.exists(key) == 0
+
+
 async def test_release_grants_the_key_to_another_clients_waiter_in_one_round_trip(
     make_client: Any, redis_server: Any, prefix: str
 ):
@@ -128,11 +140,7 @@ async def test_release_grants_the_key_to_another_clients_waiter_in_one_round_tri
     # standing back, if B's waiter took longer than that to enter)
     assert HANDOFF.sha in during[0], during
     assert not [line for line in during if ACQUIRE.sha in line and token in line], during
-    outsider.release.set()
-    await asyncio.wait_for(local.held.wait(), 5)
-    local.release.set()
-    await asyncio.gather(first.task, local.task, outsider.task)
-    assert await a.exists(key) == 0
+    await _b_then_a_and_nothing_left(a, key, first, local, outsider)
 
 
 async def test_a_waiter_that_gives_up_withdraws_its_offer(
@@ -248,11 +256,7 @@ async def test_an_offer_older_than_the_freshness_limit_gets_a_plain_release(
     assert outsider.lease is not None
     token = outsider.lease.token
     assert [line for line in during if ACQUIRE.sha in line and token in line], during
-    outsider.release.set()
-    await asyncio.wait_for(local.held.wait(), 5)
-    local.release.set()
-    await asyncio.gather(first.task, local.task, outsider.task)
-    assert await a.exists(key) == 0
+    await _b_then_a_and_nothing_left(a, key, first, local, outsider)
 
 
 async def test_a_grant_too_late_to_use_is_refreshed_before_use(
@@ -283,11 +287,7 @@ async def test_a_grant_too_late_to_use_is_refreshed_before_use(
     assert outsider.lease.token == parts[2]
     assert outsider.lease.fencing_token > first.lease.fencing_token
     assert outsider.lease.time_left > 20  # counted from the refresh, not the stale offer
-    outsider.release.set()
-    await asyncio.wait_for(local.held.wait(), 5)
-    local.release.set()
-    await asyncio.gather(first.task, local.task, outsider.task)
-    assert await a.exists(key) == 0
+    await _b_then_a_and_nothing_left(a, key, first, local, outsider)
 
 
 async def test_cancelling_an_offered_waiter_as_it_is_granted_leaves_nothing_locked(
@@ -358,11 +358,7 @@ async def test_a_repeated_grant_to_a_held_lease_is_not_undone(
     await wait_until(lambda: _exists(a, f"{key}:void:{ghost}"), what="the second grant read")
     assert _text(await a.get(key)) == f"{lease.token}:{lease.fencing_token}"
     assert await lease.is_held(verify=True)
-    outsider.release.set()
-    await asyncio.wait_for(local.held.wait(), 5)
-    local.release.set()
-    await asyncio.gather(first.task, local.task, outsider.task)
-    assert await a.exists(key) == 0
+    await _b_then_a_and_nothing_left(a, key, first, local, outsider)
 
 
 async def _exists(redis: Redis, key: str) -> bool:
