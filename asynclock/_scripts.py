@@ -11,7 +11,9 @@ they live in one Redis Cluster slot)::
                          when the client offers its first waiter's token for a grant
                          (made at <at ms>); written by blocking waits, read by HANDOFF
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
-                         (the releaser's origin id), or to announce a grant
+                         (the releaser's origin id)
+    P{N}:released:<id>   pub/sub channel of the client with origin id <id>: a grant
+                         of the lock to one of its waiters is published on it
 
 The value carries the fencing token so that an acquire retried after a lost reply can
 answer with the same token it minted the first time. Every owner check compares the
@@ -291,9 +293,10 @@ HANDOFF = Script(
 -- trip, unless a waiter of another client has been registered for at least the
 -- patience (ms). Then the longest registered of those is served instead: if its client
 -- offers a token (see ACQUIRE's ARGV[7]), the key goes to that token and the grant is
--- published for its client to pick up; else it is a plain release that lets every
--- client's waiters compete (and the releasing client's own head stands back, see
--- WaitingRoom.wake_with_others).
+-- published for its client to pick up, on that client's grant channel for the lock
+-- ("<release channel>:<its origin id>": no other client reads it); else it is a plain
+-- release that lets every client's waiters compete (and the releasing client's own head
+-- stands back, see WaitingRoom.wake_with_others).
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
 -- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time),
 -- followed by ":<token>:<loop time>:<ttl ms>:<at ms>" when that client offers a token
@@ -319,7 +322,8 @@ HANDOFF = Script(
 --         {3, fencing token} when it already did (the next holder took it by an attempt
 --           of its own, or this is a retry after our handoff landed); its expiry is
 --           renewed, so the caller's send time is a valid start for the next holder,
---         {5, fencing token} when granted to another client's waiter (published as
+--         {5, fencing token} when granted to another client's waiter (published on
+--           "<ARGV[5]>:<its origin>" as
 --           "<our origin>:<its origin>:<token>:<fencing token>:<its loop time>"),
 --         {2, 0} when released as RELEASE does because another client's waiter is due,
 --         {4, 0} when released as RELEASE does because the next holder gave up,
@@ -380,7 +384,7 @@ if due then
     redis.call('SET', KEYS[1], token .. ':' .. text, 'PX', ttl)
     redis.call('SET', KEYS[2], text, 'PX', math.max(86400000, 10 * tonumber(ttl)))
     keep_registered()
-    redis.call('PUBLISH', ARGV[5],
+    redis.call('PUBLISH', ARGV[5] .. ':' .. due,
       ARGV[6] .. ':' .. due .. ':' .. token .. ':' .. text .. ':' .. loop_time)
     return {5, fence}
   end

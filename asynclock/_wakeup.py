@@ -12,8 +12,12 @@ by such local handoffs, blocking waits register their client in Redis (a hash of
 since/until, written by failed attempts), offering the token of their first waiter with
 the loop time at which the registration was sent. Once another client's waiter has been
 registered for a few milliseconds, the release grants the key to that client's offered
-token and publishes the grant; the client picks it up here (``_granted``) and the waiter
-counts its lease from its offer's loop time, which precedes the grant. Without an offer
+token and publishes the grant on that client's own grant channel for the lock (the
+release channel plus ``:<origin>``, subscribed together with it, so no other client
+reads it: the releaser's own and every third client's listener would otherwise wake for
+nothing, and on a shared core delay the one that matters); the client picks it up here
+(``_granted``) and the waiter counts its lease from its offer's loop time, which precedes
+the grant. Without an offer
 the release is a plain one. Either way the releasing client's head stands back
 (``wake_with_others``) until the next release notification, or ``_YIELD``, then tries, and
 so learns how long to wait at most.
@@ -33,7 +37,7 @@ import logging
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -85,14 +89,17 @@ class WaitingRoom:
         self.origin = secrets.token_hex(8)
         """Published with this client's releases, so it can tell its own notifications."""
         self._origin_bytes = self.origin.encode()
+        self._grants = ":" + self.origin  # a lock's channel + this: our grant channel
         self._connection: Any = None
         self._reader: asyncio.Task[None] | None = None
-        self._confirmed: set[str] = set()
+        self._acked: set[str] = set()  # channels whose SUBSCRIBE Redis confirmed
+        self._confirmed: set[str] = set()  # locks' channels confirmed with their grants'
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._healthy = False
         self._heard = -math.inf  # loop time the subscription connection last answered
         self._starting = asyncio.Lock()
-        self._subscribed: set[str] = set()  # channels sent SUBSCRIBE and not UNSUBSCRIBE
+        self._subscribed: set[str] = set()  # locks' channels sent SUBSCRIBE (both) and
+        # not UNSUBSCRIBE
         # heads standing back for other clients' waiters: channel -> the timer's handle
         self._deferred: dict[str, asyncio.TimerHandle] = {}
         self._registered: set[str] = set()  # channels for which we may be registered waiting
@@ -218,7 +225,8 @@ class WaitingRoom:
     # -- the subscription --------------------------------------------------------------
 
     async def subscribe(self, channel: str) -> bool:
-        """Subscribe to ``channel`` and wait (bounded) until Redis confirmed it.
+        """Subscribe to ``channel`` and to our grant channel for its lock, and wait
+        (bounded) until Redis confirmed both.
 
         Returns False when the subscription could not be confirmed; the caller then relies
         on its PTTL fallback. Never raises for a Redis or network failure.
@@ -236,9 +244,11 @@ class WaitingRoom:
                 if len(stale) >= _STALE_CHANNELS:
                     self._subscribed -= stale
                     self._confirmed -= stale  # (not listening from now on)
-                    await self._connection.send_command("UNSUBSCRIBE", *stale)
+                    raw = self._both(stale)
+                    self._acked.difference_update(raw)
+                    await self._connection.send_command("UNSUBSCRIBE", *raw)
                 self._subscribed.add(channel)
-                await self._connection.send_command("SUBSCRIBE", channel)
+                await self._connection.send_command("SUBSCRIBE", *self._both((channel,)))
             async with asyncio.timeout(_SUBSCRIBE_LIMIT):
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -277,7 +287,9 @@ class WaitingRoom:
                     self._heard = loop.time()
                     pinged = False
                     if self._subscribed:
-                        await self._connection.send_command("SUBSCRIBE", *self._subscribed)
+                        await self._connection.send_command(
+                            "SUBSCRIBE", *self._both(self._subscribed)
+                        )
                     self._healthy = True
                 reply = await self._connection.read_response(timeout=_HEARTBEAT)
                 if reply is None:  # silence for _HEARTBEAT seconds
@@ -293,6 +305,7 @@ class WaitingRoom:
             except (RedisError, OSError) as exc:
                 log.debug("asynclock: wake-up subscription broken: %r", exc)
                 self._healthy = False
+                self._acked.clear()
                 self._confirmed.clear()
                 for future in self._pending.values():
                     if not future.done():
@@ -304,34 +317,52 @@ class WaitingRoom:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
-            self._dispatch(reply)
+            if self._dispatch(reply):
+                # A waiter was woken (a grant, a release): let it run before this task
+                # reads on, the handoff waits for it, not for the next read to be armed.
+                await asyncio.sleep(0)
 
-    def _dispatch(self, reply: object) -> None:
+    def _both(self, channels: Iterable[str]) -> list[str]:
+        """The channels to subscribe to for locks' ``channels``: each, and our grants'."""
+        grants = self._grants
+        return [name for channel in channels for name in (channel, channel + grants)]
+
+    def _dispatch(self, reply: object) -> bool:
+        """Act on one message of the subscription; returns whether it was a grant or
+        another client's release (a waiter may have been woken)."""
         if not isinstance(reply, list) or len(reply) < 2:
-            return
+            return False
         kind, raw_channel = reply[0], reply[1]
-        channel = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
+        name = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
+        grant = name.endswith(self._grants)  # (a lock's channel ends in "}:released")
+        channel = name[: -len(self._grants)] if grant else name
         if kind == b"message":
             payload = reply[2] if len(reply) > 2 else b""
-            if b":" in payload:
+            if grant:
                 self._granted(channel, payload)
-            elif payload != self._origin_bytes:  # (our own: woken already)
+                return True
+            if payload != self._origin_bytes:  # (our own: woken already)
                 timer = self._deferred.pop(channel, None)
                 if timer is not None:
                     timer.cancel()
                 self.wake(channel)
+                return True
         elif kind == b"subscribe":
-            self._confirmed.add(channel)
-            future = self._pending.pop(channel, None)
-            if future is not None and not future.done():
-                future.set_result(True)
+            self._acked.add(name)
+            if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
+                self._confirmed.add(channel)
+                future = self._pending.pop(channel, None)
+                if future is not None and not future.done():
+                    future.set_result(True)
         elif kind == b"unsubscribe" and channel not in self._subscribed:
+            self._acked.discard(name)
             self._confirmed.discard(channel)
+        return False
 
     def _granted(self, channel: str, payload: bytes) -> None:
-        """A releaser granted the lock to a waiter of some client (see ``HANDOFF``):
-        "<releaser>:<client>:<token>:<fencing token>:<that client's loop time>". Other
-        clients' waiters are not woken: the lock is held again."""
+        """A releaser granted the lock to a waiter of ours (see ``HANDOFF``), published on
+        our grant channel for the lock as
+        "<releaser>:<client>:<token>:<fencing token>:<that client's loop time>"."""
         try:
             _, origin, raw_token, raw_fence, raw_time = payload.split(b":")
             if origin != self._origin_bytes:
@@ -375,6 +406,7 @@ class WaitingRoom:
             if not future.done():
                 future.cancel()
         self._pending.clear()
+        self._acked.clear()
         self._confirmed.clear()
         self._subscribed.clear()
         for timer in self._deferred.values():

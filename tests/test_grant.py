@@ -143,6 +143,40 @@ async def test_release_grants_the_key_to_another_clients_waiter_in_one_round_tri
     await _b_then_a_and_nothing_left(a, key, first, local, outsider)
 
 
+async def test_a_grant_is_published_only_to_the_granted_client(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """The grant goes out on B's own grant channel for the lock, not on the release
+    channel every waiting client (and the releaser itself) listens to: those would wake
+    only to drop it. An observer subscribed to both sees it on B's alone."""
+    name = "addressed"
+    a, b, first, local, outsider = await _two_clients_waiting(
+        make_client, redis_server.url, name, prefix
+    )
+    release_channel = _channel(name, prefix)
+    grants = f"{release_channel}:{companion_for(b).room.origin}"
+    marker = f"{prefix}marker"
+    token = _head_token(b, name, prefix)
+    observer = make_client(redis_server.url)
+    async with observer.pubsub() as pubsub:
+        await pubsub.subscribe(release_channel, grants, marker)
+        for _ in range(3):  # the three confirmations
+            assert await pubsub.get_message(timeout=5) is not None
+        first.release.set()
+        await asyncio.wait_for(outsider.held.wait(), 5)
+        await observer.publish(marker, "end")  # (delivered after anything published before)
+        seen: list[tuple[str, str]] = []
+        while not seen or seen[-1][0] != marker:
+            message = await pubsub.get_message(timeout=5)
+            assert message is not None, seen
+            if message["type"] == "message":
+                seen.append((_text(message["channel"]), _text(message["data"])))
+    origin_a, origin_b = companion_for(a).room.origin, companion_for(b).room.origin
+    assert [channel for channel, _ in seen] == [grants, marker], seen
+    assert seen[0][1].startswith(f"{origin_a}:{origin_b}:{token}:"), seen
+    await _b_then_a_and_nothing_left(a, f"{prefix}{{{name}}}", first, local, outsider)
+
+
 async def test_a_waiter_that_gives_up_withdraws_its_offer(
     make_client: Any, redis_server: Any, prefix: str
 ):
@@ -351,10 +385,10 @@ async def test_a_repeated_grant_to_a_held_lease_is_not_undone(
     lease = outsider.lease
     assert lease is not None
     origin = companion_for(b).room.origin
-    channel = _channel(name, prefix)
+    grants = f"{_channel(name, prefix)}:{origin}"  # (B's own grant channel for the lock)
     ghost = "0" * 31 + "7"
-    await a.publish(channel, f"x:{origin}:{lease.token}:{lease.fencing_token}:0.0")
-    await a.publish(channel, f"x:{origin}:{ghost}:1:0.0")
+    await a.publish(grants, f"x:{origin}:{lease.token}:{lease.fencing_token}:0.0")
+    await a.publish(grants, f"x:{origin}:{ghost}:1:0.0")
     await wait_until(lambda: _exists(a, f"{key}:void:{ghost}"), what="the second grant read")
     assert _text(await a.get(key)) == f"{lease.token}:{lease.fencing_token}"
     assert await lease.is_held(verify=True)
