@@ -12,13 +12,14 @@ if it overtakes the attempt on the way to Redis.
 A blocking acquire first tries at once when nobody of its client waits for the lock (no
 line bookkeeping on the uncontended path); otherwise, or after that try failed, it queues
 in the client's ``WaitingRoom`` (see ``_wakeup``): the head of the line tries, subscribes
-to the release channel after a failed first try and tries again (so no release slips
-between the two), then sleeps until woken by a release, handed the lock by a releaser of
-its own client, granted it by a releaser of another, or until the holder's key would
-expire (PTTL plus jitter). A failed try of a blocking wait offers its token for such a
-grant; from then on, giving up means withdrawing the offer (``_abandon``), since a grant
-may already have landed. A grant that was published but never read (a broken
-subscription) is found by the next try: the key then holds our own token.
+to the release channel (and its client's grant channel for the lock) after a failed first
+try and tries again (so no release slips between the two), then sleeps until woken by a
+release, handed the lock by a releaser of its own client, granted it by a releaser of
+another, or until the holder's key would expire (PTTL plus jitter). A failed try of a
+blocking wait offers its token for such a grant; from then on, giving up means
+withdrawing the offer (``_abandon``), since a grant may already have landed. A grant that
+was published but never read (a broken subscription) is found by the next try: the key
+then holds our own token.
 """
 
 from __future__ import annotations

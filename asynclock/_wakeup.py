@@ -92,7 +92,10 @@ class WaitingRoom:
         self._grants = ":" + self.origin  # a lock's channel + this: our grant channel
         self._connection: Any = None
         self._reader: asyncio.Task[None] | None = None
-        self._acked: set[str] = set()  # channels whose SUBSCRIBE Redis confirmed
+        self._acked: set[str] = set()  # channels whose last SUBSCRIBE Redis confirmed
+        # channel -> SUBSCRIBE/UNSUBSCRIBE commands for it sent and not answered yet: a
+        # channel counts as subscribed only once the reply to the last of them said so
+        self._inflight: dict[str, int] = {}
         self._confirmed: set[str] = set()  # locks' channels confirmed with their grants'
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._healthy = False
@@ -142,11 +145,12 @@ class WaitingRoom:
         return len(line) if line else 0
 
     def listening(self, channel: str) -> bool:
-        """Whether release notifications (and grants) on ``channel`` reach this client: its
-        subscription is confirmed, has not broken since, and the connection answered within
-        the last ``_HEARD_WITHIN`` seconds (while waiters wait, a silent subscription is
-        pinged every ``_HEARTBEAT``: a connection dropped without a word, by a NAT or a load
-        balancer, must not go on being trusted to carry grants)."""
+        """Whether release notifications on ``channel``, and grants of its lock to this
+        client, reach this client: both subscriptions are confirmed, have not broken
+        since, and the connection answered within the last ``_HEARD_WITHIN`` seconds
+        (while waiters wait, a silent subscription is pinged every ``_HEARTBEAT``: a
+        connection dropped without a word, by a NAT or a load balancer, must not go on
+        being trusted to carry grants)."""
         return (
             self._healthy
             and channel in self._confirmed
@@ -244,16 +248,27 @@ class WaitingRoom:
                 if len(stale) >= _STALE_CHANNELS:
                     self._subscribed -= stale
                     self._confirmed -= stale  # (not listening from now on)
-                    raw = self._both(stale)
-                    self._acked.difference_update(raw)
-                    await self._connection.send_command("UNSUBSCRIBE", *raw)
+                    for old in stale:  # (one whose waiter left before it was confirmed)
+                        unconfirmed = self._pending.pop(old, None)
+                        if unconfirmed is not None and not unconfirmed.done():
+                            unconfirmed.set_result(False)
+                    await self._command("UNSUBSCRIBE", self._both(stale))
                 self._subscribed.add(channel)
-                await self._connection.send_command("SUBSCRIBE", *self._both((channel,)))
+                await self._command("SUBSCRIBE", self._both((channel,)))
             async with asyncio.timeout(_SUBSCRIBE_LIMIT):
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
             log.debug("asynclock: subscription to %s not confirmed: %r", channel, exc)
             return False
+
+    async def _command(self, command: str, names: list[str]) -> None:
+        """Send SUBSCRIBE or UNSUBSCRIBE for the channels ``names``: none of them counts
+        as subscribed again until the replies to every such command sent so far are in."""
+        inflight = self._inflight
+        for name in names:
+            inflight[name] = inflight.get(name, 0) + 1
+            self._acked.discard(name)
+        await self._connection.send_command(command, *names)
 
     async def _ensure_reader(self) -> None:
         if self._reader is not None:
@@ -287,9 +302,7 @@ class WaitingRoom:
                     self._heard = loop.time()
                     pinged = False
                     if self._subscribed:
-                        await self._connection.send_command(
-                            "SUBSCRIBE", *self._both(self._subscribed)
-                        )
+                        await self._command("SUBSCRIBE", self._both(self._subscribed))
                     self._healthy = True
                 reply = await self._connection.read_response(timeout=_HEARTBEAT)
                 if reply is None:  # silence for _HEARTBEAT seconds
@@ -306,6 +319,7 @@ class WaitingRoom:
                 log.debug("asynclock: wake-up subscription broken: %r", exc)
                 self._healthy = False
                 self._acked.clear()
+                self._inflight.clear()
                 self._confirmed.clear()
                 for future in self._pending.values():
                     if not future.done():
@@ -347,16 +361,19 @@ class WaitingRoom:
                     timer.cancel()
                 self.wake(channel)
                 return True
-        elif kind == b"subscribe":
-            self._acked.add(name)
-            if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
-                self._confirmed.add(channel)
-                future = self._pending.pop(channel, None)
-                if future is not None and not future.done():
-                    future.set_result(True)
-        elif kind == b"unsubscribe" and channel not in self._subscribed:
-            self._acked.discard(name)
-            self._confirmed.discard(channel)
+        elif kind == b"subscribe" or kind == b"unsubscribe":
+            left = self._inflight.pop(name, 0) - 1
+            if left > 0:  # a later command for it is not answered yet
+                self._inflight[name] = left
+            elif kind == b"unsubscribe":
+                self._confirmed.discard(channel)
+            else:
+                self._acked.add(name)
+                if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
+                    self._confirmed.add(channel)
+                    future = self._pending.pop(channel, None)
+                    if future is not None and not future.done():
+                        future.set_result(True)
         return False
 
     def _granted(self, channel: str, payload: bytes) -> None:
@@ -407,6 +424,7 @@ class WaitingRoom:
                 future.cancel()
         self._pending.clear()
         self._acked.clear()
+        self._inflight.clear()
         self._confirmed.clear()
         self._subscribed.clear()
         for timer in self._deferred.values():

@@ -169,6 +169,50 @@ async def test_broken_subscription_degrades_to_the_pttl_fallback(
     assert acquired_at - started < 1.5 + 1.0
 
 
+async def test_a_channel_dropped_before_its_confirmation_can_be_subscribed_again(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """A lock's subscription, left unconfirmed by a slow path when its waiter went away,
+    is dropped with other unused ones (UNSUBSCRIBE) before its confirmation arrives; the
+    replies come in later, in order. A new waiter on that lock must subscribe again, and
+    count as listening only once Redis's last word on it is a SUBSCRIBE, not stay deaf
+    (sending nothing, waiting on the old confirmation) until the connection breaks."""
+    from asynclock._wakeup import _STALE_CHANNELS
+    from asynclock.testing import FaultProxy, ProxyMode
+
+    b = make_client(redis_server.url)
+    observer = make_client(redis_server.url)
+    port = int(redis_server.url.rsplit(":", 1)[1].split("/")[0])
+    room = companion_for(b).room
+    late, other = f"{prefix}{{late}}:released", f"{prefix}{{other}}:released"
+    async with FaultProxy("127.0.0.1", port) as proxy:
+        room._settings.update(host=proxy.host, port=proxy.port)  # (only its subscription)
+        try:
+            for i in range(_STALE_CHANNELS - 1):  # unused ones, dropped in one batch
+                assert await room.subscribe(f"{prefix}{{unused-{i}}}:released")
+            proxy.set_mode(ProxyMode.HOLD, direction="downstream")
+            assert not await room.subscribe(late)  # not confirmed in time; nobody waits
+            dropping = asyncio.create_task(room.subscribe(other))  # drops `late` too
+            await wait_until(lambda: _dropped(room, late), what="the batch UNSUBSCRIBE")
+            proxy.set_mode(ProxyMode.PASS)  # the held replies arrive, in order
+            assert await dropping
+            assert not room.listening(late)
+            assert await asyncio.wait_for(room.subscribe(late), 5)
+            assert room.listening(late)
+            grants = f"{late}:{room.origin}"
+            assert dict(await observer.pubsub_numsub(late, grants)) == {
+                late.encode(): 1,
+                grants.encode(): 1,
+            }
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await room.aclose()
+
+
+async def _dropped(room: Any, channel: str) -> bool:
+    return channel not in room._subscribed
+
+
 async def test_local_waiters_are_served_in_arrival_order(client: Redis, prefix: str):
     """Waiters of one process queue locally: a release wakes the head, in FIFO order."""
     order: list[int] = []
