@@ -404,18 +404,22 @@ class WaitingRoom:
         if self.on_orphan is not None:
             self.in_background(self.on_orphan(channel, token))
 
-    async def aclose(self) -> None:
-        """Stop listening and close the subscription connection."""
+    async def _cancel_background(self) -> None:
         for task in list(self._background):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def aclose(self) -> None:
+        """Stop listening and close the subscription connection."""
+        await self._cancel_background()  # (first: a subscribe among them would reopen)
         reader, self._reader = self._reader, None
         connection, self._connection = self._connection, None
         if reader is not None:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+        await self._cancel_background()  # (any started meanwhile by a grant it read)
         if connection is not None:
             with contextlib.suppress(Exception):
                 await connection.disconnect()
