@@ -66,7 +66,11 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
     # RESP2 and no CLIENT SETINFO: a new side connection needs no handshake round trips
     # (beyond AUTH/SELECT if configured), so reconnecting fits in a renewal's budget
     # even on a slow network. Our scripts' replies read the same in RESP2 and RESP3.
-    settings.update(protocol=2, driver_info=None)
+    # No health checks: redis-py's PING-before-a-command (``health_check_interval``)
+    # would read a reply on the subscription connection while its listener reads, which
+    # breaks it, and would add a round trip to a renewal's budget; our connections have
+    # time limits and a heartbeat of their own.
+    settings.update(protocol=2, driver_info=None, health_check_interval=0)
     return pool.connection_class, settings
 
 

@@ -154,6 +154,33 @@ async def test_one_subscription_connection_serves_every_name(
     assert not companion_for(client).room.open  # closed once nobody waits or holds
 
 
+async def test_waiting_works_on_a_client_with_health_checks(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """A client built with ``health_check_interval`` (common where pub/sub is used): its
+    connections PING before a command once the interval has passed since their last
+    reply. The subscription connection is read by the listener at all times, so such a
+    PING's read would collide with the listener's. Waits on three names, one after the
+    other with pauses longer than the interval, are each woken by the release (the
+    holder's key lives 30 s), and no error reaches the waiter."""
+    holder = make_client(redis_server.url)
+    waiter = make_client(redis_server.url, health_check_interval=0.05)
+    for name in ("hc-1", "hc-2", "hc-3"):
+        held, release = asyncio.Event(), asyncio.Event()
+        holding = asyncio.create_task(_hold_until(holder, name, prefix, held, release))
+        await held.wait()
+        waiting = asyncio.create_task(
+            _acquire_and_time(waiter, name, prefix, blocking_timeout=10)
+        )
+        await wait_until(lambda n=name: _subscribed(waiter, n, prefix), what="subscribed")
+        await asyncio.sleep(0.15)  # (the interval passes: the next command would PING)
+        released_at = time.monotonic()
+        release.set()
+        await holding
+        acquired_at = await waiting
+        assert acquired_at - released_at < 2.0, name  # woken, not the 30 s TTL
+
+
 async def test_broken_subscription_degrades_to_the_pttl_fallback(
     client: Redis, make_client: Any, redis_server: Any, prefix: str
 ):
