@@ -199,7 +199,12 @@ class Companion:
             )
 
     async def aclose_if_idle(self) -> None:
-        """Close the dedicated connections unless a lease or waiter came back meanwhile."""
+        """Close the dedicated connections unless a lease or waiter came back meanwhile.
+
+        Runs in the task that ended the last lease, while other tasks may take new ones:
+        whether one did is asked again after every await, and what is closed by then
+        reopens on use (a new renewal client, lane connection or subscription).
+        """
         if self._users:
             return
         check = self._eviction_check
@@ -211,10 +216,12 @@ class Companion:
                 return  # a lease came meanwhile: its schedule must stay
         await self.watchdog.aclose()
         await self.lane.aclose()
-        for client in (self._renewer, self._overflow):
-            if client is not None:
-                await client.aclose()
-        self._renewer = self._overflow = None
+        clients = [c for c in (self._renewer, self._overflow) if c is not None]
+        self._renewer = self._overflow = None  # (before awaiting: a newcomer makes its own)
+        for client in clients:
+            await client.aclose()
+        if self._users:
+            return  # a waiter may be listening: the room stays open
         await self.room.aclose()
 
 

@@ -404,29 +404,27 @@ class WaitingRoom:
         if self.on_orphan is not None:
             self.in_background(self.on_orphan(channel, token))
 
-    async def _cancel_background(self) -> None:
-        for task in list(self._background):
+    async def _cancel_background(self, tasks: Iterable[asyncio.Task[object]] | None = None) -> None:
+        """Cancel ``tasks`` (by default all background work) and wait for them to end."""
+        for task in list(self._background if tasks is None else tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
     async def aclose(self) -> None:
-        """Stop listening and close the subscription connection."""
+        """Stop listening and close the subscription connection, unless a waiter came
+        meanwhile (the last lease of a client closes the room in the task leaving it,
+        while other tasks may start waiting).
+
+        The room's state is reset before the old reader and connection are awaited: a
+        waiter arriving while they close subscribes afresh, on a new connection, and
+        nothing of its state is cleared under it.
+        """
         await self._cancel_background()  # (first: a subscribe among them would reopen)
+        if self._lines or self._pending:
+            return  # a waiter came while the background work ended: keep listening
         reader, self._reader = self._reader, None
         connection, self._connection = self._connection, None
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-        await self._cancel_background()  # (any started meanwhile by a grant it read)
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await connection.disconnect()
-        for future in self._pending.values():
-            if not future.done():
-                future.cancel()
-        self._pending.clear()
         self._acked.clear()
         self._inflight.clear()
         self._confirmed.clear()
@@ -436,3 +434,13 @@ class WaitingRoom:
         self._deferred.clear()
         self._registered.clear()
         self._healthy = False
+        if reader is not None:
+            reader.cancel()
+            # (work that a grant read by the old reader started since: not a newcomer's)
+            started = list(self._background)
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await self._cancel_background(started)
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.disconnect()

@@ -169,9 +169,7 @@ async def test_waiting_works_on_a_client_with_health_checks(
         held, release = asyncio.Event(), asyncio.Event()
         holding = asyncio.create_task(_hold_until(holder, name, prefix, held, release))
         await held.wait()
-        waiting = asyncio.create_task(
-            _acquire_and_time(waiter, name, prefix, blocking_timeout=10)
-        )
+        waiting = asyncio.create_task(_acquire_and_time(waiter, name, prefix, blocking_timeout=10))
         await wait_until(lambda n=name: _subscribed(waiter, n, prefix), what="subscribed")
         await asyncio.sleep(0.15)  # (the interval passes: the next command would PING)
         released_at = time.monotonic()
@@ -179,6 +177,53 @@ async def test_waiting_works_on_a_client_with_health_checks(
         await holding
         acquired_at = await waiting
         assert acquired_at - released_at < 2.0, name  # woken, not the 30 s TTL
+
+
+async def test_a_waiter_arriving_while_the_last_lease_closes_the_subscription_is_woken(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """The task that ends a client's last lease closes the client's side connections, its
+    subscription among them, while another task of the client may start waiting. Such a
+    waiter, arriving once the closing has begun, is neither cancelled nor left without
+    its wake-up: the release of the lock it waits for wakes it (the holder's key lives
+    30 s; its blocking_timeout is 10 s)."""
+    holder = make_client(redis_server.url)
+    client = make_client(redis_server.url)
+    held, release = asyncio.Event(), asyncio.Event()
+    holding = asyncio.create_task(_hold_until(holder, "first", prefix, held, release))
+    await held.wait()
+    only = asyncio.create_task(_acquire_and_time(client, "first", prefix, blocking_timeout=10))
+    await wait_until(lambda: _subscribed(client, "first", prefix), what="the subscription")
+    held_2, release_2 = asyncio.Event(), asyncio.Event()
+    holding_2 = asyncio.create_task(_hold_until(holder, "second", prefix, held_2, release_2))
+    await held_2.wait()
+
+    room = companion_for(client).room
+    closing = room._cancel_background  # (the first step of the room's aclose)
+    newcomer: list[asyncio.Task[float]] = []
+
+    async def a_waiter_arrives(tasks: Any = None) -> None:
+        if not newcomer:
+            newcomer.append(
+                asyncio.create_task(
+                    _acquire_and_time(client, "second", prefix, blocking_timeout=10)
+                )
+            )
+            await wait_until(
+                lambda: _subscribed(client, "second", prefix), what="the newcomer subscribed"
+            )
+        await (closing() if tasks is None else closing(tasks))
+
+    room._cancel_background = a_waiter_arrives  # type: ignore[method-assign]
+    release.set()
+    await holding
+    await only  # (its exit, the client's last lease, closed the side connections)
+    assert newcomer, "the room was not closed"
+    released_at = time.monotonic()
+    release_2.set()
+    await holding_2
+    acquired_at = await newcomer[0]
+    assert acquired_at - released_at < 2.0  # woken by the release, not the 30 s TTL
 
 
 async def test_broken_subscription_degrades_to_the_pttl_fallback(
