@@ -421,10 +421,14 @@ class WaitingRoom:
         nothing of its state is cleared under it.
         """
         await self._cancel_background()  # (first: a subscribe among them would reopen)
-        if self._lines or self._pending:
+        if self._lines:
             return  # a waiter came while the background work ended: keep listening
         reader, self._reader = self._reader, None
         connection, self._connection = self._connection, None
+        for future in self._pending.values():  # (a background subscribe's, cancelled)
+            if not future.done():
+                future.set_result(False)
+        self._pending.clear()
         self._acked.clear()
         self._inflight.clear()
         self._confirmed.clear()

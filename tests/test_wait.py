@@ -224,6 +224,7 @@ async def test_a_waiter_arriving_while_the_last_lease_closes_the_subscription_is
     await holding_2
     acquired_at = await newcomer[0]
     assert acquired_at - released_at < 2.0  # woken by the release, not the 30 s TTL
+    assert not room.open  # and closed once its lease, now the last, ended
 
 
 async def test_broken_subscription_degrades_to_the_pttl_fallback(
