@@ -25,9 +25,11 @@ server has an empty script cache, which is not a lost lease.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -56,12 +58,27 @@ log = logging.getLogger("asynclock")
 
 Arg = str | int | float | bytes
 
+_pack_command: Callable[[tuple[Arg, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # (redis-py without its hiredis extra)
+    _pack_command = None
+else:
+    _pack_command = cast(Callable[[tuple[Arg, ...]], bytes], _hiredis_pack)
+
 UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 """Errors after which a command's outcome is unknown: it may or may not have run."""
 
 
 def pack(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """One command in RESP, its arguments encoded as redis-py would encode them."""
+    if _pack_command is not None and encoding == "utf-8" and errors == "strict":
+        # hiredis packs in C what the loop below does in Python, byte for byte (text as
+        # strict UTF-8, numbers as str() writes them): a third of the time on the hot
+        # path of every acquire and release. It takes a tuple of str, int, float and
+        # bytes only; anything else goes the Python way.
+        with contextlib.suppress(TypeError):
+            return _pack_command(args if type(args) is tuple else tuple(args))
     return b"".join(_packed([b"*%d\r\n" % len(args)], args, encoding, errors))
 
 

@@ -161,3 +161,31 @@ async def test_lane_gives_its_connections_back_when_the_loop_shuts_down(
     free = list(client.connection_pool._get_free_connections())
     assert free
     assert all(c.socket_timeout == 7.0 for c in free)
+
+
+def test_commands_are_packed_byte_for_byte_as_before():
+    """Acquires and releases are packed by hiredis's C packer where it applies (UTF-8,
+    strict): byte for byte what the Python packer makes, for every kind of argument
+    asynclock sends. Another encoding, or another type, goes the Python way."""
+    from asynclock._scripts import HANDOFF, _pack_command, _packed, pack
+
+    assert _pack_command is not None  # (redis[hiredis] is a dependency)
+    command = (
+        "EVALSHA",
+        HANDOFF.sha,
+        2,
+        "asynclock:{naïve 漢}",
+        "asynclock:{naïve 漢}:fence",
+        "0123456789abcdef" * 2 + ":1763961234567890",
+        -1,
+        10**20,
+        repr(1763961234.5678912),
+        0.1 + 0.2,
+        b"\x00\xff",
+        "",
+    )
+    python = b"".join(_packed([b"*%d\r\n" % len(command)], command, "utf-8", "strict"))
+    assert pack(command) == python
+    assert pack(list(command)) == python
+    assert pack(("é",), "latin-1") == b"*1\r\n$1\r\n\xe9\r\n"
+    assert pack(("x", True)) == b"*2\r\n$1\r\nx\r\n$4\r\nTrue\r\n"
