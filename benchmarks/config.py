@@ -12,7 +12,8 @@ class Profile:
     name: str
     runs: int  # runs of every scenario; figures are medians over them
     warmup: float  # seconds of unrecorded cycles before each cycle measurement
-    cycle: float  # seconds of the uncontended cycle, 1 worker
+    cycle: float  # seconds of the uncontended cycle, 1 worker, per peer
+    cycle_blocks: int  # blocks the 1-worker window is cut into, the peers taking turns
     cycle_many: float  # seconds of the uncontended cycle, `cycle_workers` workers
     cycle_workers: int
     contend: float  # seconds of a contention measurement (after `contend_warmup`)
@@ -37,6 +38,7 @@ QUICK = Profile(
     runs=3,
     warmup=0.15,
     cycle=0.3,
+    cycle_blocks=3,
     cycle_many=0.3,
     cycle_workers=16,
     contend=0.4,
@@ -57,6 +59,7 @@ FULL = Profile(
     runs=3,
     warmup=0.5,
     cycle=3.0,
+    cycle_blocks=10,
     cycle_many=3.0,
     cycle_workers=16,
     contend=4.0,

@@ -182,6 +182,14 @@ def run(
             for scenario in scenarios:
                 if run_index >= scenario.runs(profile):
                     continue
+                if scenario.together is not None:
+                    peers_now = [p for p in usable if p.supports(scenario.family)]
+                    if peers_now and not _Stop.requested:
+                        ctx = Context(server.url, profile, run_index, probe)
+                        for record in _measure_together(scenario, peers_now, ctx):
+                            results.records.append(record)
+                            _progress(record, scenario, run_index, scenario.runs(profile))
+                    continue
                 for peer in usable:
                     if not peer.supports(scenario.family) or _Stop.requested:
                         continue
@@ -267,6 +275,36 @@ def _measure(scenario: Scenario, peer: Peer, ctx: Context) -> Record:
     if logged:
         record.note = f"{record.note}; {logged}" if record.note else logged
     return record
+
+
+def _measure_together(scenario: Scenario, peers: list[Peer], ctx: Context) -> list[Record]:
+    """``_measure`` for a scenario whose peers are measured together, taking turns."""
+    assert scenario.together is not None
+    ctx.reset()
+    gc.collect()
+    began = time.monotonic()
+    try:
+        outcome = scenario.together(peers, ctx)
+    except Exception as exc:
+        detail = "".join(traceback.format_exception(exc)[-3:]).strip()
+        print(f"  {scenario.key} failed:\n{detail}", file=sys.stderr)
+        outcome = {peer.key: exc for peer in peers}
+    seconds = (time.monotonic() - began) / len(peers)
+    logged = _LOGS.summary()
+    records = []
+    for peer in peers:
+        record = Record(scenario.key, peer.key, ctx.run)
+        result = outcome.get(peer.key, RuntimeError("not measured"))
+        if isinstance(result, Exception):
+            record.error = f"{result!r}"
+        else:
+            record.metrics = result.metrics
+            record.note = result.note
+        record.seconds = seconds
+        if logged:
+            record.note = f"{record.note}; {logged}" if record.note else logged
+        records.append(record)
+    return records
 
 
 def _progress(record: Record, scenario: Scenario, run_index: int, runs: int) -> None:

@@ -317,7 +317,10 @@ EXPLAIN: dict[str, str] = {
     "cycle-1": (
         "One task enters and leaves the lock in a loop (no other traffic); latency of each "
         "`acquire + release` cycle. asynclock runs with its watchdog on (started and "
-        "stopped in every cycle)."
+        "stopped in every cycle). The peers of a run are measured together: all their "
+        "sessions open, they take turns in short blocks (the window cut in `cycle_blocks`, "
+        "the order reversed every other block), so that the machine's drift within a run "
+        "falls on all of them alike."
     ),
     "cycle-many": (
         "Every task loops on its own lock name, all sharing one client (threads and one "

@@ -9,7 +9,7 @@ from ..config import Profile
 from ..peers import BURST, CONTEND, CYCLE, HOLD, Peer
 from .common import Context, Measurement
 from .contend import handoff_one_process, handoff_processes
-from .cycle import cycle_many, cycle_one
+from .cycle import cycle_many, cycle_one, cycle_one_together
 from .hold import burst, burst_pool, burst_pool_size, hold_many
 
 __all__ = ["SCENARIOS", "Context", "Measurement", "Scenario", "get_scenario"]
@@ -23,6 +23,8 @@ class Scenario:
     title: Callable[[Profile], str]
     headline: str  # the metric shown in progress lines and compared first
     higher_is_better: bool
+    # measures every peer of a run together (taking turns) instead of one after another
+    together: Callable[[list[Peer], Context], dict[str, Measurement | Exception]] | None = None
 
     def runs(self, profile: Profile) -> int:
         if self.family == HOLD:
@@ -40,6 +42,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         lambda p: "Uncontended acquire + release, 1 task",
         "p50_us",
         higher_is_better=False,
+        together=cycle_one_together,
     ),
     Scenario(
         "cycle-many",
