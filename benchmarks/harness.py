@@ -25,7 +25,7 @@ import redis
 from .config import FULL, QUICK, Profile
 from .peers import ALL_PEERS, CYCLE, HOLD, AsyncPeer, Peer, ThreadPeer
 from .results import PeerEntry, Record, Results
-from .scenarios import SCENARIOS, Context, Scenario
+from .scenarios import SCENARIOS, Context, Measurement, Scenario
 from .system import (
     LogCollector,
     cpu_times,
@@ -257,24 +257,17 @@ async def _smoke_async(peer: AsyncPeer, url: str) -> None:
 
 
 def _measure(scenario: Scenario, peer: Peer, ctx: Context) -> Record:
-    record = Record(scenario.key, peer.key, ctx.run)
     ctx.reset()
     gc.collect()
     began = time.monotonic()
+    result: Measurement | Exception
     try:
-        measurement = scenario.measure(peer, ctx)
+        result = scenario.measure(peer, ctx)
     except Exception as exc:
-        record.error = f"{exc!r}"
         detail = "".join(traceback.format_exception(exc)[-3:]).strip()
         print(f"  {scenario.key} / {peer.key} failed:\n{detail}", file=sys.stderr)
-    else:
-        record.metrics = measurement.metrics
-        record.note = measurement.note
-    record.seconds = time.monotonic() - began
-    logged = _LOGS.summary()
-    if logged:
-        record.note = f"{record.note}; {logged}" if record.note else logged
-    return record
+        result = exc
+    return _record(scenario, peer, ctx, result, time.monotonic() - began, _LOGS.summary())
 
 
 def _measure_together(scenario: Scenario, peers: list[Peer], ctx: Context) -> list[Record]:
@@ -291,20 +284,37 @@ def _measure_together(scenario: Scenario, peers: list[Peer], ctx: Context) -> li
         outcome = {peer.key: exc for peer in peers}
     seconds = (time.monotonic() - began) / len(peers)
     logged = _LOGS.summary()
-    records = []
-    for peer in peers:
-        record = Record(scenario.key, peer.key, ctx.run)
-        result = outcome.get(peer.key, RuntimeError("not measured"))
-        if isinstance(result, Exception):
-            record.error = f"{result!r}"
-        else:
-            record.metrics = result.metrics
-            record.note = result.note
-        record.seconds = seconds
-        if logged:
-            record.note = f"{record.note}; {logged}" if record.note else logged
-        records.append(record)
-    return records
+    return [
+        _record(
+            scenario,
+            peer,
+            ctx,
+            outcome.get(peer.key, RuntimeError("not measured")),
+            seconds,
+            logged,
+        )
+        for peer in peers
+    ]
+
+
+def _record(
+    scenario: Scenario,
+    peer: Peer,
+    ctx: Context,
+    result: Measurement | Exception,
+    seconds: float,
+    logged: str,
+) -> Record:
+    record = Record(scenario.key, peer.key, ctx.run)
+    if isinstance(result, Exception):
+        record.error = f"{result!r}"
+    else:
+        record.metrics = result.metrics
+        record.note = result.note
+    record.seconds = seconds
+    if logged:
+        record.note = f"{record.note}; {logged}" if record.note else logged
+    return record
 
 
 def _progress(record: Record, scenario: Scenario, run_index: int, runs: int) -> None:

@@ -25,21 +25,41 @@ async def _hold_until(
         await release.wait()
 
 
+async def _held_by(
+    redis: Redis, name: str, prefix: str
+) -> tuple[asyncio.Task[None], asyncio.Event]:
+    """``name`` held by ``redis`` (a 30 s lease) in a task, until the event is set."""
+    held, release = asyncio.Event(), asyncio.Event()
+    holding = asyncio.create_task(_hold_until(redis, name, prefix, held, release))
+    await held.wait()
+    return holding, release
+
+
+async def _waiting_for(redis: Redis, name: str, prefix: str) -> asyncio.Task[float]:
+    """A blocking acquire of ``name`` (10 s at most) in a task, once it is subscribed to
+    the lock's releases; the task answers when it got in."""
+    waiting = asyncio.create_task(_acquire_and_time(redis, name, prefix, blocking_timeout=10))
+    await wait_until(lambda: _subscribed(redis, name, prefix), what=f"a waiter for {name}")
+    return waiting
+
+
+async def _woken_after(
+    holding: asyncio.Task[None], release: asyncio.Event, waiting: asyncio.Task[float]
+) -> float:
+    """Seconds from the holder's release to the waiter in."""
+    released_at = time.monotonic()
+    release.set()
+    await holding
+    return await waiting - released_at
+
+
 async def test_release_wakes_a_waiter_in_another_client(
     client: Redis, make_client: Any, redis_server: Any, prefix: str
 ):
     """11: a waiter is woken by the release notification, not by the holder's 30 s TTL."""
-    holder_client = make_client(redis_server.url)
-    held, release = asyncio.Event(), asyncio.Event()
-    holder = asyncio.create_task(_hold_until(holder_client, "job", prefix, held, release))
-    await held.wait()
-    waiting = asyncio.create_task(_acquire_and_time(client, "job", prefix, blocking_timeout=20))
-    await wait_until(lambda: _subscribed(client, "job", prefix), what="the waiter's subscription")
-    released_at = time.monotonic()
-    release.set()
-    await holder
-    acquired_at = await waiting
-    assert acquired_at - released_at < 1.0  # the TTL fallback would take 30 s
+    holding, release = await _held_by(make_client(redis_server.url), "job", prefix)
+    waiting = await _waiting_for(client, "job", prefix)
+    assert await _woken_after(holding, release, waiting) < 1.0  # the TTL: 30 s
 
 
 async def _acquire_and_time(redis: Redis, name: str, prefix: str, **kwargs: Any) -> float:
@@ -166,17 +186,10 @@ async def test_waiting_works_on_a_client_with_health_checks(
     holder = make_client(redis_server.url)
     waiter = make_client(redis_server.url, health_check_interval=0.05)
     for name in ("hc-1", "hc-2", "hc-3"):
-        held, release = asyncio.Event(), asyncio.Event()
-        holding = asyncio.create_task(_hold_until(holder, name, prefix, held, release))
-        await held.wait()
-        waiting = asyncio.create_task(_acquire_and_time(waiter, name, prefix, blocking_timeout=10))
-        await wait_until(lambda n=name: _subscribed(waiter, n, prefix), what="subscribed")
+        holding, release = await _held_by(holder, name, prefix)
+        waiting = await _waiting_for(waiter, name, prefix)
         await asyncio.sleep(0.15)  # (the interval passes: the next command would PING)
-        released_at = time.monotonic()
-        release.set()
-        await holding
-        acquired_at = await waiting
-        assert acquired_at - released_at < 2.0, name  # woken, not the 30 s TTL
+        assert await _woken_after(holding, release, waiting) < 2.0, name  # not the TTL
 
 
 async def test_a_waiter_arriving_while_the_last_lease_closes_the_subscription_is_woken(
@@ -189,14 +202,9 @@ async def test_a_waiter_arriving_while_the_last_lease_closes_the_subscription_is
     30 s; its blocking_timeout is 10 s)."""
     holder = make_client(redis_server.url)
     client = make_client(redis_server.url)
-    held, release = asyncio.Event(), asyncio.Event()
-    holding = asyncio.create_task(_hold_until(holder, "first", prefix, held, release))
-    await held.wait()
-    only = asyncio.create_task(_acquire_and_time(client, "first", prefix, blocking_timeout=10))
-    await wait_until(lambda: _subscribed(client, "first", prefix), what="the subscription")
-    held_2, release_2 = asyncio.Event(), asyncio.Event()
-    holding_2 = asyncio.create_task(_hold_until(holder, "second", prefix, held_2, release_2))
-    await held_2.wait()
+    holding, release = await _held_by(holder, "first", prefix)
+    only = await _waiting_for(client, "first", prefix)
+    holding_2, release_2 = await _held_by(holder, "second", prefix)
 
     room = companion_for(client).room
     closing = room._cancel_background  # (the first step of the room's aclose)
@@ -215,15 +223,9 @@ async def test_a_waiter_arriving_while_the_last_lease_closes_the_subscription_is
         await (closing() if tasks is None else closing(tasks))
 
     room._cancel_background = a_waiter_arrives  # type: ignore[method-assign]
-    release.set()
-    await holding
-    await only  # (its exit, the client's last lease, closed the side connections)
+    await _woken_after(holding, release, only)  # (its exit, the client's last lease, closes)
     assert newcomer, "the room was not closed"
-    released_at = time.monotonic()
-    release_2.set()
-    await holding_2
-    acquired_at = await newcomer[0]
-    assert acquired_at - released_at < 2.0  # woken by the release, not the 30 s TTL
+    assert await _woken_after(holding_2, release_2, newcomer[0]) < 2.0  # not the 30 s TTL
     assert not room.open  # and closed once its lease, now the last, ended
 
 
