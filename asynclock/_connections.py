@@ -214,15 +214,17 @@ class Companion:
                 await check
             if self._users:
                 return  # a lease came meanwhile: its schedule must stay
+        # The room first: work in its background (giving back a key granted to a waiter
+        # that left) runs on the lane or the overflow pool, and must end before they close.
+        await self.room.aclose()  # (it stays open while anyone waits)
+        if self._users:
+            return
         await self.watchdog.aclose()
         await self.lane.aclose()
         clients = [c for c in (self._renewer, self._overflow) if c is not None]
         self._renewer = self._overflow = None  # (before awaiting: a newcomer makes its own)
         for client in clients:
             await client.aclose()
-        if self._users:
-            return  # a waiter may be listening: the room stays open
-        await self.room.aclose()
 
 
 async def _warn_if_evicting(client: Redis) -> None:
