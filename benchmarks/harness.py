@@ -257,6 +257,7 @@ async def _smoke_async(peer: AsyncPeer, url: str) -> None:
 
 
 def _measure(scenario: Scenario, peer: Peer, ctx: Context) -> Record:
+    assert scenario.measure is not None
     ctx.reset()
     gc.collect()
     began = time.monotonic()

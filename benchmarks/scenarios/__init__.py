@@ -9,7 +9,7 @@ from ..config import Profile
 from ..peers import BURST, CONTEND, CYCLE, HOLD, Peer
 from .common import Context, Measurement
 from .contend import handoff_one_process, handoff_processes
-from .cycle import cycle_many, cycle_one, cycle_one_together
+from .cycle import cycle_many, cycle_one_together
 from .hold import burst, burst_pool, burst_pool_size, hold_many
 
 __all__ = ["SCENARIOS", "Context", "Measurement", "Scenario", "get_scenario"]
@@ -19,7 +19,8 @@ __all__ = ["SCENARIOS", "Context", "Measurement", "Scenario", "get_scenario"]
 class Scenario:
     key: str
     family: str
-    measure: Callable[[Peer, Context], Measurement]
+    # measures one peer; None for a scenario whose peers are measured ``together``
+    measure: Callable[[Peer, Context], Measurement] | None
     title: Callable[[Profile], str]
     headline: str  # the metric shown in progress lines and compared first
     higher_is_better: bool
@@ -38,7 +39,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "cycle-1",
         CYCLE,
-        cycle_one,
+        None,
         lambda p: "Uncontended acquire + release, 1 task",
         "p50_us",
         higher_is_better=False,

@@ -19,7 +19,7 @@ from ..peers import AsyncPeer, AsyncSession, Peer, SyncSession, ThreadPeer
 from ..stats import percentile
 from .common import Context, Measurement, in_session
 
-__all__ = ["cycle_many", "cycle_one", "cycle_one_together"]
+__all__ = ["cycle_many", "cycle_one_together"]
 
 _BLOCK_WARMUP = 0.02  # seconds of unrecorded cycles before each block (after a warm-up)
 
@@ -44,12 +44,6 @@ def _figures(result: CycleResult) -> dict[str, float]:
         "cycles_per_s": result.throughput,
         "cycles": float(len(latencies)),
     }
-
-
-def cycle_one(peer: Peer, ctx: Context) -> Measurement:
-    """One worker: ``async with lock(name): pass`` in a loop; latency per cycle."""
-    result = _cycles(peer, ctx, [ctx.name(peer, "cycle-1")], ctx.profile.cycle)
-    return Measurement(_figures(result))
 
 
 def cycle_one_together(peers: list[Peer], ctx: Context) -> dict[str, Measurement | Exception]:
