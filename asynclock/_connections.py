@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from typing import Any
 
 import anyio
@@ -248,13 +247,19 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-_companions: weakref.WeakKeyDictionary[Redis, Companion] = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_asynclock_companion"
 
 
 def companion_for(client: Redis) -> Companion:
-    """The companion of ``client`` in the running loop (made on first use)."""
+    """The companion of ``client`` in the running loop (made on first use).
+
+    It is kept on the client itself: a client and its companion refer to each other, and
+    go together once the application drops the client. (A weak map keyed by the client
+    kept both forever, since the companion refers to its client; it was slower too.)
+    """
     loop = asyncio.get_running_loop()
-    companion = _companions.get(client)
+    companion: Companion | None = getattr(client, _ATTRIBUTE, None)
     if companion is None or companion.loop is not loop:
-        companion = _companions[client] = Companion(client, loop)
+        companion = Companion(client, loop)
+        setattr(client, _ATTRIBUTE, companion)
     return companion

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
 from helpers import wait_until
@@ -189,3 +191,25 @@ def test_commands_are_packed_byte_for_byte_as_before():
     assert pack(list(command)) == python
     assert pack(("é",), "latin-1") == b"*1\r\n$1\r\n\xe9\r\n"
     assert pack(("x", True)) == b"*2\r\n$1\r\nx\r\n$4\r\nTrue\r\n"
+
+
+async def test_a_client_dropped_after_its_leases_is_garbage_collected(
+    redis_server: Any, prefix: str
+):
+    """asynclock keeps state beside each client (its companion); once the application has
+    closed and dropped a client, nothing of asynclock's keeps it, or its pool, alive."""
+    client = Redis.from_url(redis_server.url)
+    async with asynclock.lease(client, "dropped", ttl=5, prefix=prefix):
+        pass
+    held = await asynclock.acquire(client, "dropped-too", ttl=5, prefix=prefix)
+    await held.release()
+    await client.aclose()
+    gone = weakref.ref(client)
+    del client, held
+
+    async def collected() -> bool:
+        gc.collect()  # (the client and its companion refer to each other)
+        return gone() is None
+
+    # The lane's keeper task holds the client until it has seen the lane unused a while.
+    await wait_until(collected, limit=_LINGER * 5, what="the client's collection")
