@@ -194,11 +194,5 @@ def _options(
     if on_event is not None and not callable(on_event):
         raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
     return LeaseOptions.cached(
-        redis,
-        name,
-        ttl=ttl,
-        blocking=blocking,
-        blocking_timeout=blocking_timeout,
-        release_timeout=release_timeout,
-        prefix=prefix,
+        redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix
     )

@@ -7,7 +7,7 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
@@ -61,8 +61,9 @@ def _optional_timeout(argument: str, value: object) -> float | None:
 class LeaseOptions:
     """The validated settings of one :func:`asynclock.lease` call. Times in seconds.
 
-    The names derived from ``prefix`` and ``name`` are computed when asked for rather
-    than kept: a process may hold ten thousand leases, each with its options.
+    Of the names derived from ``prefix`` and ``name`` only the lease's key is kept (every
+    acquire, renewal and release uses it); the others are computed when asked for: a
+    process may hold ten thousand leases, each with its options.
     """
 
     name: str
@@ -71,11 +72,14 @@ class LeaseOptions:
     blocking_timeout: float | None
     release_timeout: float
     prefix: str
+    key: str = field(init=False)
+    """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
+    ttl_ms: int = field(init=False)
+    """The TTL in whole milliseconds (at least 1), as sent to Redis."""
 
-    @property
-    def key(self) -> str:
-        """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
-        return f"{self.prefix}{{{self.name}}}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.prefix}{{{self.name}}}")
+        object.__setattr__(self, "ttl_ms", max(1, round(self.ttl * 1000)))
 
     @property
     def fence_key(self) -> str:
@@ -91,11 +95,6 @@ class LeaseOptions:
     def waiting_key(self) -> str:
         """The hash in which blocking waits register their client (see ``HANDOFF``)."""
         return self.key + ":waiting"
-
-    @property
-    def ttl_ms(self) -> int:
-        """The TTL in whole milliseconds (at least 1), as sent to Redis."""
-        return max(1, round(self.ttl * 1000))
 
     def acquire_keys(self, token: str) -> list[str]:
         """The ACQUIRE script's keys for an attempt made with ``token``: the lease, the
@@ -113,19 +112,50 @@ class LeaseOptions:
         return t_send + self.ttl - drift_for(self.ttl)
 
     @classmethod
-    def cached(cls, redis: object, name: object, **settings: object) -> LeaseOptions:
+    def cached(
+        cls,
+        redis: object,
+        name: object,
+        ttl: object,
+        blocking: object,
+        blocking_timeout: object,
+        release_timeout: object,
+        prefix: object,
+        /,
+    ) -> LeaseOptions:
         """:meth:`build` (same arguments), or the options already built from equal ones:
         code that takes the same lock again and again validates its arguments once. The
         arguments' types are part of the key (``ttl=True`` must not pass for ``ttl=1``)."""
         key: tuple[object, ...] | None = None
         if type(redis) in _CLIENT_TYPES:
-            values = (name, *settings.values())
-            key = (*settings, *values, *map(type, values))
+            # (built in one expression: this runs at every lease())
+            key = (
+                name,
+                ttl,
+                blocking,
+                blocking_timeout,
+                release_timeout,
+                prefix,
+                type(name),
+                type(ttl),
+                type(blocking),
+                type(blocking_timeout),
+                type(release_timeout),
+                type(prefix),
+            )
             try:
                 return _BUILT[key]
             except (KeyError, TypeError):  # (TypeError: an unhashable argument)
                 pass
-        options = cls.build(redis, name, **settings)
+        options = cls.build(
+            redis,
+            name,
+            ttl=ttl,
+            blocking=blocking,
+            blocking_timeout=blocking_timeout,
+            release_timeout=release_timeout,
+            prefix=prefix,
+        )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:
                 _BUILT.clear()
