@@ -434,9 +434,16 @@ async def test_release_hands_the_key_to_a_waiter_of_the_same_client(client: Redi
     task = asyncio.create_task(waiter())
 
     async def in_line() -> bool:
-        return companion_for(client).room.waiting(channel) == 1
+        # In line, and its last attempt (made once subscribed, offering its token) has
+        # run: no script of the waiter's runs after this but for the release's handoff.
+        room = companion_for(client).room
+        head = room.head(channel)
+        if head is None or room.waiting(channel) != 1:
+            return False
+        entry = await client.hget(prefix + "{handoff}:waiting", room.origin)
+        return entry is not None and f":{head.token}:" in text(entry)
 
-    await wait_until(in_line, what="the waiter in line")
+    await wait_until(in_line, what="the waiter in line, its token offered")
     scripts_before = await commandstat(client, "evalsha")
     await lock.release()
     await task
