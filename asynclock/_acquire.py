@@ -38,7 +38,7 @@ from ._exceptions import AcquireTimeout, LockBusy
 from ._lane import Lane, exchange
 from ._options import LeaseOptions
 from ._scripts import ACQUIRE, UNKNOWN_OUTCOME, Arg
-from ._shield import cancel_dropped, cancelling, finish
+from ._shield import finish
 from ._wakeup import Waiter
 
 __all__ = [
@@ -280,7 +280,8 @@ class Acquisition:
             room.is_head(channel, offering) and room.listening(channel)
         ):
             offering = None
-        before = cancelling()
+        task = asyncio.current_task()  # (once: on Python 3.11 each lookup costs ~0.3 µs)
+        before = task.cancelling() if task is not None else 0
         client: Redis | Lane = self._companion.lane
         may_have_landed = False
         while True:
@@ -324,8 +325,8 @@ class Acquisition:
             except BaseException:
                 await self._abandon()
                 raise
-        status, value = (int(x) for x in reply)  # type: ignore[attr-defined]
-        if cancel_dropped(before):
+        status, value = int(reply[0]), int(reply[1])  # type: ignore[index]
+        if task is not None and task.cancelling() > before:  # (see cancel_dropped)
             if status == 1:
                 await self._abandon()
             raise asyncio.CancelledError

@@ -30,19 +30,37 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, ResponseError
 
-__all__ = ["Lane", "exchange"]
+__all__ = ["Lane", "encoding_of", "exchange"]
 
 _SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
 _LINGER: Final = 1.0  # seconds unused after which the lane gives its connections back
 
 
+def encoding_of(client: Redis) -> tuple[str, str]:
+    """The encoding and error handler ``client``'s connections use for arguments."""
+    kwargs = client.connection_pool.connection_kwargs
+    return kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict")
+
+
 class Lane:
     """Connections borrowed from one client's pool for the hot path; see the design note."""
 
-    __slots__ = ("_closing", "_held", "_idle", "_keeper", "_loop", "_size", "_used", "client")
+    __slots__ = (
+        "_closing",
+        "_held",
+        "_idle",
+        "_keeper",
+        "_loop",
+        "_size",
+        "_used",
+        "client",
+        "encoding",
+    )
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
+        self.encoding = encoding_of(client)
+        """How the client's connections encode arguments: (encoding, error handler)."""
         self._loop = loop
         self._idle: list[tuple[Any, float | None]] = []  # (connection, its socket timeout)
         self._held = 0  # connections checked out by the lane, idle or busy

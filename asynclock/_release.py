@@ -243,7 +243,8 @@ async def settle(held: Lease, wake: Wake) -> None:
     held._end()
     held._scope = None
     room = held._companion.room
-    room.in_use.discard(held.token)  # (a grant to it from now on is given back)
+    if room.in_use:  # (a grant to its token from now on is given back)
+        room.in_use.discard(held.token)
     if wake is Wake.OTHERS:
         room.wake_with_others(held._options.channel)
     else:

@@ -36,7 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._lane import Lane, exchange
+from ._lane import Lane, encoding_of, exchange
 
 __all__ = [
     "ABANDON",
@@ -107,12 +107,6 @@ def unpack_arg(packed: bytes, index: int) -> bytes:
         start, index = end + 2 + size + 2, index - 1
 
 
-def encoding_of(client: Redis) -> tuple[str, str]:
-    """The encoding and error handler ``client``'s connections use for arguments."""
-    kwargs = client.connection_pool.connection_kwargs
-    return kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict")
-
-
 class Script:
     """A Lua script run by SHA1 with a transparent fallback to its source on NOSCRIPT."""
 
@@ -136,9 +130,15 @@ class Script:
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
         """
-        encoding = encoding_of(target.client if isinstance(target, Lane) else target)
-        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        reply = await _send(target, pack(command, *encoding), deadline)
+        if isinstance(target, Lane):  # (the hot path: its encoding is looked up once)
+            encoding = target.encoding
+            reply = await target.call(
+                pack(("EVALSHA", self.sha, len(keys), *keys, *args), *encoding), deadline
+            )
+        else:
+            encoding = encoding_of(target)
+            command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+            reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, NoScriptError):
             command = ("EVAL", self.source, len(keys), *keys, *args)
             reply = await _send(target, pack(command, *encoding), deadline)

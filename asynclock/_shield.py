@@ -89,7 +89,8 @@ async def finish_idempotent(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
-    before = cancelling()
+    task = asyncio.current_task()  # (once: on Python 3.11 each lookup costs ~0.3 µs)
+    before = task.cancelling() if task is not None else 0
     try:
         if shield:
             with anyio.CancelScope(shield=True):
@@ -100,6 +101,6 @@ async def finish_idempotent(
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await finish(operation(), max(deadline - loop.time(), 0.001))
         raise
-    if cancel_dropped(before):
+    if task is not None and task.cancelling() > before:  # (see cancel_dropped)
         raise asyncio.CancelledError
     return result
