@@ -25,7 +25,6 @@ server has an empty script cache, which is not a lost lease.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -76,9 +75,12 @@ def pack(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -
         # hiredis packs in C what the loop below does in Python, byte for byte (text as
         # strict UTF-8, numbers as str() writes them): packing was about a quarter of a
         # lease's pure-Python time per cycle. It takes a tuple of str, int, float and
-        # bytes only; anything else goes the Python way.
-        with contextlib.suppress(TypeError):
+        # bytes only; anything else goes the Python way. (try, not contextlib.suppress:
+        # that builds a context manager per command.)
+        try:
             return _pack_command(tuple(args))  # (a tuple is passed through as it is)
+        except TypeError:
+            pass
     return b"".join(_packed([b"*%d\r\n" % len(args)], args, encoding, errors))
 
 
