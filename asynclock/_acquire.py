@@ -28,7 +28,7 @@ import asyncio
 import logging
 import random
 import secrets
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
@@ -325,7 +325,8 @@ class Acquisition:
             except BaseException:
                 await self._abandon()
                 raise
-        status, value = int(reply[0]), int(reply[1])  # type: ignore[index]
+        raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
+        status, value = int(raw_status), int(raw_value)
         if task is not None and task.cancelling() > before:  # (see cancel_dropped)
             if status == 1:
                 await self._abandon()

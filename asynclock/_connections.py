@@ -259,7 +259,8 @@ def companion_for(client: Redis) -> Companion:
     """
     loop = asyncio.get_running_loop()
     companion: Companion | None = getattr(client, _ATTRIBUTE, None)
-    if companion is None or companion.loop is not loop:
+    # (a copy of a client, copy.copy, carries its original's companion: not its own)
+    if companion is None or companion.loop is not loop or companion.client is not client:
         companion = Companion(client, loop)
         setattr(client, _ATTRIBUTE, companion)
     return companion

@@ -145,8 +145,10 @@ class LeaseOptions:
             )
             try:
                 return _BUILT[key]
-            except (KeyError, TypeError):  # (TypeError: an unhashable argument)
+            except KeyError:
                 pass
+            except TypeError:  # an unhashable argument: build (and report) it uncached
+                key = None
         options = cls.build(
             redis,
             name,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import gc
 import weakref
 from typing import Any
@@ -196,20 +198,51 @@ def test_commands_are_packed_byte_for_byte_as_before():
 async def test_a_client_dropped_after_its_leases_is_garbage_collected(
     redis_server: Any, prefix: str
 ):
-    """asynclock keeps state beside each client (its companion); once the application has
-    closed and dropped a client, nothing of asynclock's keeps it, or its pool, alive."""
+    """asynclock keeps state beside each client (its companion: lane, waiting room and
+    subscription, renewal pool); once the application has closed and dropped a client,
+    nothing of asynclock's keeps it, or its pool, alive."""
     client = Redis.from_url(redis_server.url)
     async with asynclock.lease(client, "dropped", ttl=5, prefix=prefix):
-        pass
-    held = await asynclock.acquire(client, "dropped-too", ttl=5, prefix=prefix)
+        # a blocking wait meanwhile: the room subscribes, and the lease is handed over
+        waiter = asyncio.create_task(_take(client, "dropped", prefix))
+        await wait_until(functools.partial(_in_line, client, prefix + "{dropped}:released"))
+    await waiter
+    held = await asynclock.acquire(client, "dropped-too", ttl=0.3, prefix=prefix)
+    await held.extend()  # (the renewal pool)
     await held.release()
     await client.aclose()
-    gone = weakref.ref(client)
-    del client, held
+    gone, pool_gone = weakref.ref(client), weakref.ref(client.connection_pool)
+    del client, held, waiter
 
     async def collected() -> bool:
         gc.collect()  # (the client and its companion refer to each other)
-        return gone() is None
+        return gone() is None and pool_gone() is None
 
     # The lane's keeper task holds the client until it has seen the lane unused a while.
     await wait_until(collected, limit=_LINGER * 5, what="the client's collection")
+
+
+async def _take(client: Redis, name: str, prefix: str) -> None:
+    async with asynclock.lease(client, name, ttl=5, prefix=prefix, blocking_timeout=5):
+        pass
+
+
+async def _in_line(client: Redis, channel: str) -> bool:
+    return companion_for(client).room.waiting(channel) == 1
+
+
+async def test_a_copy_of_a_client_has_a_companion_of_its_own(redis_server: Any, prefix: str):
+    """copy.copy(client) carries the original's attributes, asynclock's companion among
+    them; the copy's leases must go through its own connections, not the original's."""
+    client = Redis.from_url(redis_server.url)
+    async with asynclock.lease(client, "original", ttl=5, prefix=prefix):
+        pass
+    duplicate = copy.copy(client)
+    duplicate.connection_pool = type(client.connection_pool).from_url(redis_server.url)
+    try:
+        async with asynclock.lease(duplicate, "copy", ttl=5, prefix=prefix):
+            assert companion_for(duplicate).client is duplicate
+            assert companion_for(client).client is client
+    finally:
+        await duplicate.aclose()
+        await client.aclose()
