@@ -8,10 +8,19 @@ task and costs extra event-loop iterations, and every read under a timeout of it
 A :class:`Lane` keeps a few connections (a quarter of the pool's capacity, 16 at most;
 none for a pool of fewer than 4) checked out of the caller's own pool while leases come and
 go, with their socket timeout set aside, and bounds each exchange (write and read
-together) by one ``asyncio.timeout`` of the connection's own socket timeout, or less when
-the caller has less time. The connections stay in the caller's pool's books, so closing
-the client closes them; they are given back (their timeout restored) once the lane has
-gone unused for ``_LINGER`` seconds, and when the event loop shuts down.
+together) by the connection's own socket timeout, or less when the caller has less time.
+The connections stay in the caller's pool's books, so closing the client closes them; they
+are given back (their timeout restored) once the lane has gone unused for ``_LINGER``
+seconds, and when the event loop shuts down.
+
+The bounds share one loop timer per lane (``_Bound``). An ``asyncio.timeout`` armed around
+each exchange cost about 3 µs (a timer made, pushed on the loop's heap and cancelled), two
+per lease, for a limit that an exchange of a fraction of a millisecond never reaches. The
+shared timer is armed for the earliest bound in flight and is not cancelled when an
+exchange ends; it re-arms only for an earlier bound, so while leases come and go it fires
+about once per socket timeout and finds nothing due. An exchange past its bound is
+cancelled as ``asyncio.timeout`` would cancel it, and raises ``TimeoutError``; a
+cancellation from elsewhere passes through unchanged.
 
 It is a fast path only. When all of its connections are busy, a call goes the ordinary
 way on the client (:func:`exchange`), and when the caller's pool is exhausted it raises
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from typing import Any, Final
 
 from redis.asyncio import Redis
@@ -46,12 +56,15 @@ class Lane:
     """Connections borrowed from one client's pool for the hot path; see the design note."""
 
     __slots__ = (
+        "_bounds",
         "_closing",
         "_held",
         "_idle",
         "_keeper",
         "_loop",
         "_size",
+        "_timer",
+        "_timer_at",
         "_used",
         "client",
         "encoding",
@@ -69,6 +82,9 @@ class Lane:
         self._closing = False  # set when the keeper is cancelled (the loop shuts down)
         limit = getattr(client.connection_pool, "max_connections", None) or _SIZE * 4
         self._size = min(_SIZE, int(limit) // 4)  # leave the application its pool (0: none)
+        self._bounds: set[_Bound] = set()  # the bounded exchanges in flight
+        self._timer: asyncio.TimerHandle | None = None  # the bounds' shared timer
+        self._timer_at = math.inf  # the loop time it is armed for
 
     async def call(self, packed: bytes, deadline: float | None = None) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
@@ -101,12 +117,10 @@ class Lane:
         if saved is not None and (ends is None or now + saved < ends):
             ends = now + saved
         try:
-            if ends is None:  # (nothing bounds it, as with a client made with
-                # socket_timeout=None: an unarmed asyncio.timeout still costs ~1.4 µs)
+            if ends is None:  # (nothing bounds it: a client made with socket_timeout=None)
                 reply = await _round_trip(connection, packed)
             else:
-                async with asyncio.timeout_at(ends):
-                    reply = await _round_trip(connection, packed)
+                reply = await self._bounded(connection, packed, ends)
         except BaseException:
             await self._give_back(connection, saved)
             raise
@@ -115,6 +129,59 @@ class Lane:
         else:
             self._idle.append((connection, saved))
         return reply
+
+    async def _bounded(self, connection: Any, packed: bytes, ends: float) -> object:
+        """:func:`_round_trip`, ended by loop time ``ends`` with ``TimeoutError`` as
+        ``asyncio.timeout_at(ends)`` would end it, on the shared timer (see the note)."""
+        task = asyncio.current_task()
+        if task is None:  # (not in a task: nothing to cancel, so nothing to bound with)
+            async with asyncio.timeout_at(ends):
+                return await _round_trip(connection, packed)
+        bound = _Bound(task, ends)
+        self._bounds.add(bound)
+        if ends < self._timer_at:
+            self._arm(ends)
+        try:
+            reply = await _round_trip(connection, packed)
+        except BaseException as exc:
+            # Our cancellation is taken back (as asyncio.timeout does); it becomes a
+            # TimeoutError unless another cancellation of the task is pending too.
+            if (
+                bound.expired
+                and task.uncancel() <= bound.cancelling  # (called whenever it expired)
+                and isinstance(exc, asyncio.CancelledError)
+            ):
+                raise TimeoutError from exc
+            raise
+        finally:
+            self._bounds.discard(bound)
+        if bound.expired:  # expired as the reply came, and the exchange swallowed it
+            task.uncancel()
+        return reply
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(at, self._expire, at)
+        self._timer_at = at
+
+    def _expire(self, armed_for: float) -> None:
+        """The shared timer: cancel every exchange whose bound has come (the loop may run
+        a timer a hair before its time: ``armed_for`` counts as come), and re-arm for the
+        earliest bound left."""
+        self._timer, self._timer_at = None, math.inf
+        due = max(armed_for, self._loop.time())
+        earliest = math.inf
+        for bound in self._bounds:
+            if bound.expired:
+                continue
+            if bound.ends <= due:
+                bound.expired = True
+                bound.task.cancel()
+            elif bound.ends < earliest:
+                earliest = bound.ends
+        if earliest != math.inf:
+            self._arm(earliest)
 
     async def _borrow(self) -> tuple[Any, float | None]:
         pool = self.client.connection_pool
@@ -161,10 +228,26 @@ class Lane:
     async def aclose(self) -> None:
         """Give every idle connection back to the caller's pool (busy ones go back when
         their call fails, or later when the lane is found unused)."""
+        if not self._bounds and self._timer is not None:  # (it refers to the lane)
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         while self._idle:
             connection, saved = self._idle.pop()
             with contextlib.suppress(Exception):
                 await self._give_back(connection, saved)
+
+
+class _Bound:
+    """A bounded exchange in flight: its task, its end (loop time), whether the shared
+    timer cancelled it, and the task's count of cancellation requests before it began."""
+
+    __slots__ = ("cancelling", "ends", "expired", "task")
+
+    def __init__(self, task: asyncio.Task[Any], ends: float) -> None:
+        self.task = task
+        self.ends = ends
+        self.expired = False
+        self.cancelling = task.cancelling()
 
 
 async def _round_trip(connection: Any, packed: bytes) -> object:

@@ -6,15 +6,18 @@ import asyncio
 import copy
 import functools
 import gc
+import math
 import weakref
 from typing import Any
 
+import pytest
 from helpers import wait_until
 from redis.asyncio import Redis
 
 import asynclock
 from asynclock._connections import companion_for
 from asynclock._lane import _LINGER
+from asynclock._scripts import pack
 from asynclock.testing import RedisServer
 
 
@@ -246,3 +249,61 @@ async def test_a_copy_of_a_client_has_a_companion_of_its_own(redis_server: Any, 
     finally:
         await duplicate.aclose()
         await client.aclose()
+
+
+async def _blocked_on(observer: Redis, count: int) -> bool:
+    """Whether ``count`` connections are blocked in BLPOP on the server."""
+    return sum(1 for c in await observer.client_list() if c.get("cmd") == "blpop") >= count
+
+
+async def test_a_lane_exchange_past_its_deadline_raises_timeout_error(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """The lane's bounds share one timer: two exchanges that never get an answer (BLPOP on
+    an empty list), with different deadlines, each end with TimeoutError at its own
+    deadline, their task not left cancelled; the lane works afterwards."""
+    client = make_client()
+    lane = companion_for(client).lane
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    ended: dict[float, float] = {}
+
+    async def blocked(after: float) -> None:
+        with pytest.raises(TimeoutError):
+            await lane.call(pack(("BLPOP", prefix + "never", 0)), started + after)
+        ended[after] = loop.time() - started
+        current = asyncio.current_task()
+        assert current is not None
+        assert current.cancelling() == 0
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(blocked(0.4))
+        group.create_task(blocked(0.1))
+    assert 0.1 <= ended[0.1] < 0.4 <= ended[0.4] < 3.0
+    assert await lane.call(pack(("PING",))) in (b"PONG", "PONG")
+
+
+async def test_a_cancelled_lane_exchange_raises_cancelled_error(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """A cancellation from outside during a bounded exchange comes out as itself, not as
+    a TimeoutError, also when the bound comes in the same loop iteration."""
+    client = make_client()
+    observer = make_client()
+    lane = companion_for(client).lane
+    loop = asyncio.get_running_loop()
+    for with_expiry in (False, True):
+        exchange = asyncio.create_task(
+            lane.call(pack(("BLPOP", prefix + "never", 0)), loop.time() + 30)
+        )
+
+        async def in_flight() -> bool:
+            return len(lane._bounds) == 1 and await _blocked_on(observer, 1)
+
+        await wait_until(in_flight, what="BLPOP in flight")
+        exchange.cancel()
+        if with_expiry:
+            lane._expire(math.inf)  # (every bound comes now: cancels the task once more)
+        with pytest.raises(asyncio.CancelledError):
+            await exchange
+        assert exchange.cancelled()
