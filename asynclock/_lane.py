@@ -18,9 +18,10 @@ each exchange cost about 3 µs (a timer made, pushed on the loop's heap and canc
 per lease, for a limit that an exchange of a fraction of a millisecond never reaches. The
 shared timer is armed for the earliest bound in flight and is not cancelled when an
 exchange ends; it re-arms only for an earlier bound, so while leases come and go it fires
-about once per socket timeout and finds nothing due. An exchange past its bound is
-cancelled as ``asyncio.timeout`` would cancel it, and raises ``TimeoutError``; a
-cancellation from elsewhere passes through unchanged.
+about once per shortest bound in use (a release's ``release_timeout``, 2 s by default),
+finding nothing due, and is cancelled when the lane gives its connections back. An
+exchange past its bound is cancelled as ``asyncio.timeout`` would cancel it, and raises
+``TimeoutError``; a cancellation from elsewhere passes through unchanged.
 
 It is a fast path only. When all of its connections are busy, a call goes the ordinary
 way on the client (:func:`exchange`), and when the caller's pool is exhausted it raises
@@ -134,14 +135,14 @@ class Lane:
         """:func:`_round_trip`, ended by loop time ``ends`` with ``TimeoutError`` as
         ``asyncio.timeout_at(ends)`` would end it, on the shared timer (see the note)."""
         task = asyncio.current_task()
-        if task is None:  # (not in a task: nothing to cancel, so nothing to bound with)
+        if task is None:  # (not in a task: asyncio.timeout_at says what it says then)
             async with asyncio.timeout_at(ends):
                 return await _round_trip(connection, packed)
         bound = _Bound(task, ends)
-        self._bounds.add(bound)
-        if ends < self._timer_at:
-            self._arm(ends)
         try:
+            self._bounds.add(bound)
+            if ends < self._timer_at:
+                self._arm(ends)
             reply = await _round_trip(connection, packed)
         except BaseException as exc:
             # Our cancellation is taken back (as asyncio.timeout does); it becomes a
@@ -160,8 +161,10 @@ class Lane:
         return reply
 
     def _arm(self, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        """(Re-)arm the shared timer for loop time ``at``."""
+        timer, self._timer, self._timer_at = self._timer, None, math.inf
+        if timer is not None:
+            timer.cancel()
         self._timer = self._loop.call_at(at, self._expire, at)
         self._timer_at = at
 
@@ -171,17 +174,15 @@ class Lane:
         earliest bound left."""
         self._timer, self._timer_at = None, math.inf
         due = max(armed_for, self._loop.time())
-        earliest = math.inf
-        for bound in self._bounds:
-            if bound.expired:
-                continue
-            if bound.ends <= due:
-                bound.expired = True
-                bound.task.cancel()
-            elif bound.ends < earliest:
-                earliest = bound.ends
-        if earliest != math.inf:
-            self._arm(earliest)
+        try:
+            for bound in tuple(self._bounds):
+                if not bound.expired and bound.ends <= due:
+                    bound.expired = True
+                    bound.task.cancel()
+        finally:  # (whatever happened above, no bound is left without the timer)
+            left = [bound.ends for bound in self._bounds if not bound.expired]
+            if left:
+                self._arm(min(left))
 
     async def _borrow(self) -> tuple[Any, float | None]:
         pool = self.client.connection_pool

@@ -123,9 +123,11 @@ class LeaseOptions:
         prefix: object,
         /,
     ) -> LeaseOptions:
-        """:meth:`build` (same arguments), or the options already built from equal ones:
-        code that takes the same lock again and again validates its arguments once. The
-        arguments' types are part of the key (``ttl=True`` must not pass for ``ttl=1``)."""
+        """The options of ``lease(redis, name, ...)``: every argument checked, or
+        ``TypeError``/``ValueError`` naming the first bad one. Options built from equal
+        arguments are reused: code that takes the same lock again and again validates its
+        arguments once. The arguments' types are part of that comparison (``ttl=True``
+        must not pass for ``ttl=1``)."""
         key: tuple[object, ...] | None = None
         if type(redis) in _CLIENT_TYPES:
             # (built in one expression: this runs at every lease())
@@ -147,42 +149,14 @@ class LeaseOptions:
                 return _BUILT[key]
             except KeyError:
                 pass
-            except TypeError:  # an unhashable argument: build (and report) it uncached
+            except TypeError:  # an unhashable argument: built (and reported) uncached
                 key = None
-        options = cls.build(
-            redis,
-            name,
-            ttl=ttl,
-            blocking=blocking,
-            blocking_timeout=blocking_timeout,
-            release_timeout=release_timeout,
-            prefix=prefix,
-        )
-        if key is not None:
-            if len(_BUILT) >= _BUILT_MAX:
-                _BUILT.clear()
-            _BUILT[key] = options
-        return options
-
-    @classmethod
-    def build(
-        cls,
-        redis: object,
-        name: object,
-        *,
-        ttl: object,
-        blocking: object,
-        blocking_timeout: object,
-        release_timeout: object,
-        prefix: object,
-    ) -> LeaseOptions:
-        """Check every argument; raise ``TypeError``/``ValueError`` naming the first bad one."""
-        if type(redis) not in _CLIENT_TYPES:  # (isinstance against Redis is slow)
-            if not isinstance(redis, Redis):
-                raise TypeError(
-                    "redis must be a redis.asyncio.Redis client (redis-py's asyncio API), "
-                    f"not {type(redis).__module__}.{type(redis).__qualname__}"
-                )
+        elif not isinstance(redis, Redis):  # (isinstance against Redis is slow: once)
+            raise TypeError(
+                "redis must be a redis.asyncio.Redis client (redis-py's asyncio API), "
+                f"not {type(redis).__module__}.{type(redis).__qualname__}"
+            )
+        else:
             _CLIENT_TYPES.add(type(redis))
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, not {type(name).__name__}")
@@ -204,7 +178,7 @@ class LeaseOptions:
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
             raise ValueError("prefix must not contain '{' or '}' (the name is the hash tag)")
-        return cls(
+        options = cls(
             name=name,
             ttl=ttl_s,
             blocking=blocking,
@@ -212,3 +186,8 @@ class LeaseOptions:
             release_timeout=release,
             prefix=prefix,
         )
+        if key is not None:
+            if len(_BUILT) >= _BUILT_MAX:
+                _BUILT.clear()
+            _BUILT[key] = options
+        return options

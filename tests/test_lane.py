@@ -251,16 +251,17 @@ async def test_a_copy_of_a_client_has_a_companion_of_its_own(redis_server: Any, 
         await client.aclose()
 
 
-async def _blocked_on(observer: Redis, count: int) -> bool:
-    """Whether ``count`` connections are blocked in BLPOP on the server."""
-    return sum(1 for c in await observer.client_list() if c.get("cmd") == "blpop") >= count
+async def _blocked(observer: Redis) -> int:
+    """How many connections are blocked (in BLPOP) on the server."""
+    return int((await observer.info("clients"))["blocked_clients"])
 
 
 async def test_a_lane_exchange_past_its_deadline_raises_timeout_error(
     make_client: Any, redis_server: Any, prefix: str
 ):
-    """The lane's bounds share one timer: two exchanges that never get an answer (BLPOP on
-    an empty list), with different deadlines, each end with TimeoutError at its own
+    """The lane's bounds share one timer: two exchanges that get no answer before their
+    deadlines (BLPOP on an empty list, for 3 s: a bound that never fired would fail the
+    test, not hang it), with different deadlines, each end with TimeoutError at its own
     deadline, their task not left cancelled; the lane works afterwards."""
     client = make_client()
     lane = companion_for(client).lane
@@ -270,7 +271,7 @@ async def test_a_lane_exchange_past_its_deadline_raises_timeout_error(
 
     async def blocked(after: float) -> None:
         with pytest.raises(TimeoutError):
-            await lane.call(pack(("BLPOP", prefix + "never", 0)), started + after)
+            await lane.call(pack(("BLPOP", prefix + "never", 3)), started + after)
         ended[after] = loop.time() - started
         current = asyncio.current_task()
         assert current is not None
@@ -279,7 +280,7 @@ async def test_a_lane_exchange_past_its_deadline_raises_timeout_error(
     async with asyncio.TaskGroup() as group:
         group.create_task(blocked(0.4))
         group.create_task(blocked(0.1))
-    assert 0.1 <= ended[0.1] < 0.4 <= ended[0.4] < 3.0
+    assert 0.1 <= ended[0.1] < 0.4 <= ended[0.4] < 2.0
     assert await lane.call(pack(("PING",))) in (b"PONG", "PONG")
 
 
@@ -293,17 +294,27 @@ async def test_a_cancelled_lane_exchange_raises_cancelled_error(
     lane = companion_for(client).lane
     loop = asyncio.get_running_loop()
     for with_expiry in (False, True):
+        # (no connection of an earlier round left blocked: the server counts it until it
+        # has seen it close)
+        await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
         exchange = asyncio.create_task(
-            lane.call(pack(("BLPOP", prefix + "never", 0)), loop.time() + 30)
+            lane.call(pack(("BLPOP", prefix + "never", 5)), loop.time() + 30)
         )
 
         async def in_flight() -> bool:
-            return len(lane._bounds) == 1 and await _blocked_on(observer, 1)
+            return len(lane._bounds) == 1 and await _blocked(observer) == 1
 
         await wait_until(in_flight, what="BLPOP in flight")
         exchange.cancel()
         if with_expiry:
-            lane._expire(math.inf)  # (every bound comes now: cancels the task once more)
+            # Every bound comes now, as if the shared timer ran in this same iteration:
+            # the task is cancelled once more (the timer it dropped is armed still, and
+            # finds nothing when it runs).
+            lane._expire(math.inf)
         with pytest.raises(asyncio.CancelledError):
             await exchange
         assert exchange.cancelled()
+
+
+async def _none_blocked(observer: Redis) -> bool:
+    return await _blocked(observer) == 0
