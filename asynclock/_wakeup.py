@@ -85,6 +85,11 @@ class WaitingRoom:
         self._connection_class = connection_class
         # The listener reads RESP2 bytes and blocks without a socket timeout.
         self._settings = {**settings, "decode_responses": False, "socket_timeout": None}
+        # Channel names come back as the bytes our connection encoded them to.
+        self._encoding: tuple[str, str] = (
+            settings.get("encoding", "utf-8"),
+            settings.get("encoding_errors", "strict"),
+        )
         self._lines: dict[str, deque[Waiter]] = {}
         self.origin = secrets.token_hex(8)
         """Published with this client's releases, so it can tell its own notifications."""
@@ -347,7 +352,10 @@ class WaitingRoom:
         if not isinstance(reply, list) or len(reply) < 2:
             return False
         kind, raw_channel = reply[0], reply[1]
-        name = raw_channel.decode() if isinstance(raw_channel, bytes) else str(raw_channel)
+        if isinstance(raw_channel, bytes):
+            name = raw_channel.decode(*self._encoding)
+        else:
+            name = str(raw_channel)
         grant = name.endswith(self._grants)  # (a lock's channel ends in "}:released")
         channel = name[: -len(self._grants)] if grant else name
         if kind == b"message":

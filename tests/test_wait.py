@@ -62,6 +62,18 @@ async def test_release_wakes_a_waiter_in_another_client(
     assert await _woken_after(holding, release, waiting) < 1.0  # the TTL: 30 s
 
 
+async def test_release_wakes_a_waiter_of_a_client_with_another_encoding(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """Clients that encode text as Latin-1: a lock named with a non-ASCII letter has its
+    release channel in Latin-1 bytes, and the waiter's subscription, confirmed and woken
+    by those bytes, still gets it on the release, not at the 30 s TTL."""
+    holder, waiter = (make_client(redis_server.url, encoding="latin-1") for _ in range(2))
+    holding, release = await _held_by(holder, "café", prefix)
+    waiting = await _waiting_for(waiter, "café", prefix)
+    assert await _woken_after(holding, release, waiting) < 1.0
+
+
 async def _acquire_and_time(redis: Redis, name: str, prefix: str, **kwargs: Any) -> float:
     async with asynclock.lease(redis, name, ttl=30, prefix=prefix, **kwargs):
         return time.monotonic()
