@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ._lane import Lane
-from ._scripts import ABANDON, Arg, encoding_of, pack, pack_args, run_idempotent
+from ._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
 from ._shield import finish
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
@@ -119,12 +119,12 @@ class Companion:
 
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
-        return pack(args, *encoding_of(self.client))
+        return pack(args, *self.lane.encoding)
 
     def pack_args(self, *args: str | int) -> bytes:
         """Arguments of a command in RESP, encoded as this client's connections would
         encode them (without the header that counts them)."""
-        return pack_args(args, *encoding_of(self.client))
+        return pack_args(args, *self.lane.encoding)
 
     def renewer(self) -> Redis:
         """The dedicated client for renewals (created on first use, retries off)."""

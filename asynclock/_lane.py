@@ -34,23 +34,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
+from collections.abc import Mapping
 from typing import Any, Final
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, ResponseError
 
-__all__ = ["Lane", "encoding_of", "exchange"]
+__all__ = ["Lane", "encoding_in", "encoding_of", "exchange"]
 
 _SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
 _LINGER: Final = 1.0  # seconds unused after which the lane gives its connections back
 
 
+def encoding_in(settings: Mapping[str, Any]) -> tuple[str, str]:
+    """The encoding and error handler that connections made with ``settings`` use for
+    text (arguments sent, channel names read back)."""
+    return settings.get("encoding", "utf-8"), settings.get("encoding_errors", "strict")
+
+
 def encoding_of(client: Redis) -> tuple[str, str]:
     """The encoding and error handler ``client``'s connections use for arguments."""
-    kwargs = client.connection_pool.connection_kwargs
-    return kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict")
+    return encoding_in(client.connection_pool.connection_kwargs)
 
 
 class Lane:
@@ -65,7 +70,6 @@ class Lane:
         "_loop",
         "_size",
         "_timer",
-        "_timer_at",
         "_used",
         "client",
         "encoding",
@@ -85,7 +89,6 @@ class Lane:
         self._size = min(_SIZE, int(limit) // 4)  # leave the application its pool (0: none)
         self._bounds: set[_Bound] = set()  # the bounded exchanges in flight
         self._timer: asyncio.TimerHandle | None = None  # the bounds' shared timer
-        self._timer_at = math.inf  # the loop time it is armed for
 
     async def call(self, packed: bytes, deadline: float | None = None) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
@@ -141,7 +144,8 @@ class Lane:
         bound = _Bound(task, ends)
         try:
             self._bounds.add(bound)
-            if ends < self._timer_at:
+            timer = self._timer
+            if timer is None or ends < timer.when():
                 self._arm(ends)
             reply = await _round_trip(connection, packed)
         except BaseException as exc:
@@ -162,17 +166,16 @@ class Lane:
 
     def _arm(self, at: float) -> None:
         """(Re-)arm the shared timer for loop time ``at``."""
-        timer, self._timer, self._timer_at = self._timer, None, math.inf
+        timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
         self._timer = self._loop.call_at(at, self._expire, at)
-        self._timer_at = at
 
     def _expire(self, armed_for: float) -> None:
         """The shared timer: cancel every exchange whose bound has come (the loop may run
         a timer a hair before its time: ``armed_for`` counts as come), and re-arm for the
         earliest bound left."""
-        self._timer, self._timer_at = None, math.inf
+        self._timer = None
         due = max(armed_for, self._loop.time())
         try:
             for bound in tuple(self._bounds):
@@ -231,7 +234,7 @@ class Lane:
         their call fails, or later when the lane is found unused)."""
         if not self._bounds and self._timer is not None:  # (it refers to the lane)
             self._timer.cancel()
-            self._timer, self._timer_at = None, math.inf
+            self._timer = None
         while self._idle:
             connection, saved = self._idle.pop()
             with contextlib.suppress(Exception):

@@ -132,15 +132,10 @@ class Script:
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
         """
-        if isinstance(target, Lane):  # (the hot path: its encoding is looked up once)
-            encoding = target.encoding
-            reply = await target.call(
-                pack(("EVALSHA", self.sha, len(keys), *keys, *args), *encoding), deadline
-            )
-        else:
-            encoding = encoding_of(target)
-            command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-            reply = await _send(target, pack(command, *encoding), deadline)
+        # (a lane looked its client's encoding up once: the hot path)
+        encoding = target.encoding if isinstance(target, Lane) else encoding_of(target)
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, NoScriptError):
             command = ("EVAL", self.source, len(keys), *keys, *args)
             reply = await _send(target, pack(command, *encoding), deadline)

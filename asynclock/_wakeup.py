@@ -43,6 +43,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from ._lane import encoding_in
+
 __all__ = ["Waiter", "WaitingRoom"]
 
 log = logging.getLogger("asynclock")
@@ -86,10 +88,7 @@ class WaitingRoom:
         # The listener reads RESP2 bytes and blocks without a socket timeout.
         self._settings = {**settings, "decode_responses": False, "socket_timeout": None}
         # Channel names come back as the bytes our connection encoded them to.
-        self._encoding: tuple[str, str] = (
-            settings.get("encoding", "utf-8"),
-            settings.get("encoding_errors", "strict"),
-        )
+        self._encoding = encoding_in(settings)
         self._lines: dict[str, deque[Waiter]] = {}
         self.origin = secrets.token_hex(8)
         """Published with this client's releases, so it can tell its own notifications."""
