@@ -1,6 +1,10 @@
 """The benchmark harness: start a private pinned server, run every scenario for every peer,
 write ``results.json``, ``results.md`` and ``results.png``.
 
+Every run writes into a folder of its own, ``benchmarks/runs/<UTC time>-<mode>/`` (git
+ignores it), or ``--out DIR``; only ``--update`` (a full run of every scenario and peer)
+replaces the committed ``benchmarks/results.*``.
+
 Runs are interleaved (run 1 of every scenario for every peer, then run 2, ...), so the
 ratios of one run compare peers measured minutes apart at most, on the same server.
 """
@@ -38,6 +42,7 @@ from .system import (
 __all__ = ["main"]
 
 HERE = Path(__file__).resolve().parent
+RUNS = HERE / "runs"  # a folder per run (git-ignored)
 
 
 _LOGS = LogCollector()
@@ -77,8 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--peers", help="comma-separated subset of: " + ", ".join(p.key for p in ALL_PEERS)
     )
-    parser.add_argument(
-        "--out", type=Path, default=HERE, help="folder for results.{json,md,png} (default: here)"
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--out",
+        type=Path,
+        help="folder for results.{json,md,png} (default: a new benchmarks/runs/<time>-<mode>/)",
+    )
+    where.add_argument(
+        "--update",
+        action="store_true",
+        help="replace the committed benchmarks/results.{json,md,png} (a full run of every "
+        "scenario and peer only)",
     )
     parser.add_argument("--engine", choices=("redis", "valkey"), help="server engine to start")
     parser.add_argument(
@@ -88,9 +102,53 @@ def _parser() -> argparse.ArgumentParser:
         "--report-only",
         type=Path,
         metavar="RESULTS_JSON",
-        help="only write results.md and results.png again from a results.json",
+        help="only write results.md and results.png again from a results.json (next to it "
+        "unless --out or --update)",
     )
     return parser
+
+
+def _out_folder(args: argparse.Namespace, mode: str) -> Path:
+    """Where this run writes: a fresh folder unless ``--out`` or ``--update`` says otherwise.
+
+    Refuses (``SystemExit``) to touch the committed results without ``--update``, and
+    ``--update`` for anything but a full run of every scenario and peer.
+    """
+    if args.update:
+        partial = [
+            flag
+            for flag, given in (
+                ("--quick", mode != FULL.name),
+                ("--runs", args.runs is not None),
+                ("--scenarios", bool(args.scenarios)),
+                ("--peers", bool(args.peers)),
+            )
+            if given
+        ]
+        if partial:
+            raise SystemExit(
+                f"--update replaces the committed results with a full run of every scenario "
+                f"and peer: not with {', '.join(partial)} (or a {mode} run's results)"
+            )
+        return HERE
+    if args.out is not None:
+        out: Path = args.out
+    elif args.report_only is not None:
+        out = args.report_only.parent
+    else:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+        out = RUNS / f"{stamp}-{mode}"
+        suffix = 1
+        while out.exists():
+            suffix += 1
+            out = RUNS / f"{stamp}-{mode}-{suffix}"
+    committed = out.resolve() == HERE
+    if committed and not (args.report_only and args.report_only.resolve().parent == HERE):
+        raise SystemExit(
+            "benchmarks/ holds the committed results: pass --update (full runs only) to "
+            "replace them, or choose another --out"
+        )
+    return out
 
 
 def _pick(text: str | None, known: list[str], what: str) -> list[str]:
@@ -109,11 +167,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.report_only is not None:
         results = Results.load(args.report_only)
-        for path in write_report(results, args.out):
+        out = _out_folder(args, results.mode)
+        out.mkdir(parents=True, exist_ok=True)
+        if out.resolve() != args.report_only.resolve().parent:
+            results.save(out / "results.json")
+            print(f"wrote {out / 'results.json'}")
+        for path in write_report(results, out):
             print(f"wrote {path}")
         return 0
 
     profile = QUICK if args.quick else FULL
+    out = _out_folder(args, profile.name)
     if args.runs is not None:
         if args.runs < 1:
             raise SystemExit("--runs must be at least 1")
@@ -128,18 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     peer_keys = _pick(args.peers, [p.key for p in ALL_PEERS], "peer")
     peers = [cls() for cls in ALL_PEERS if cls.key in peer_keys]
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     logging.getLogger().addHandler(_LOGS)
     # A handler of our own also keeps asyncio.run() from installing its own, which would
     # turn Ctrl-C into a cancellation that a shielded release may absorb.
     signal.signal(signal.SIGINT, _Stop.on_sigint)
     signal.signal(signal.SIGTERM, _Stop.on_sigterm)
     results = run(profile, scenarios, peers, engine=args.engine, pin=not args.no_pin)
-    json_path = args.out / "results.json"
+    json_path = out / "results.json"
     results.save(json_path)
     print(f"wrote {json_path}")
-    for path in write_report(results, args.out):
+    for path in write_report(results, out):
         print(f"wrote {path}")
+    if out == HERE:
+        print("replaced the committed results: update the README's Performance section too")
+    else:
+        print(f"results in {out}/ (a full run with --update replaces the committed ones)")
     failed = results.errors()
     if failed:
         print(f"{len(failed)} measurement(s) failed; see results.md", file=sys.stderr)

@@ -1,0 +1,87 @@
+"""``python -m benchmarks`` writes a fresh folder per run; only ``--update`` (a full run of
+every scenario and peer) replaces the committed ``benchmarks/results.*`` (issue 17)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asynclock.testing import available_engines
+from benchmarks.harness import main
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = [ROOT / "benchmarks" / f"results.{ext}" for ext in ("json", "md", "png")]
+
+
+def _digests() -> dict[Path, str]:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in COMMITTED if p.exists()}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--quick", "--update"], "--quick"),
+        (["--update", "--scenarios", "cycle-1"], "--scenarios"),
+        (["--update", "--peers", "asynclock,raw"], "--peers"),
+        (["--update", "--runs", "1"], "--runs"),
+        (["--quick", "--out", str(ROOT / "benchmarks")], "--update"),
+    ],
+    ids=["quick", "scenarios", "peers", "runs", "out-committed"],
+)
+def test_committed_results_are_refused_before_anything_runs(args: list[str], message: str) -> None:
+    before = _digests()
+    with pytest.raises(SystemExit, match=message):
+        main(args)
+    assert _digests() == before
+
+
+def test_update_and_out_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--update", "--out", "somewhere"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_report_only_writes_next_to_its_json(tmp_path: Path) -> None:
+    before = _digests()
+    source = tmp_path / "results.json"
+    shutil.copy(ROOT / "benchmarks" / "results.json", source)
+    assert main(["--report-only", str(source)]) == 0
+    assert (tmp_path / "results.md").read_text().strip()
+    assert _digests() == before
+
+
+@pytest.mark.skipif(not available_engines(), reason="no redis-server or valkey-server binary")
+def test_a_quick_run_writes_a_fresh_folder(tmp_path: Path) -> None:
+    """A real (tiny) quick run, its runs/ folder moved under tmp_path: it writes there and
+    leaves the committed results as they were."""
+    before = _digests()
+    runs = tmp_path / "runs"
+    code = (
+        "import sys; from pathlib import Path; import benchmarks.harness as h; "
+        "h.RUNS = Path(sys.argv[1]); sys.exit(h.main(sys.argv[2:]))"
+    )
+    args = ["--quick", "--scenarios", "cycle-1", "--peers", "asynclock,raw", "--runs", "1"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(runs), *args, "--no-pin"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (folder,) = runs.iterdir()
+    assert folder.name.endswith("-quick")
+    assert (folder / "results.json").exists()
+    assert (folder / "results.md").exists()
+    assert f"results in {folder}/" in done.stdout
+    assert _digests() == before
