@@ -24,7 +24,9 @@ from ._context import lease as lease
 from ._events import EventHook as EventHook
 from ._events import LeaseEvent as LeaseEvent
 from ._events import LeaseEventKind as LeaseEventKind
+from ._every import every as every
 from ._exceptions import AcquireTimeout as AcquireTimeout
+from ._exceptions import IdempotencyConflict as IdempotencyConflict
 from ._exceptions import LockBusy as LockBusy
 from ._exceptions import LockError as LockError
 from ._exceptions import LockLost as LockLost
@@ -32,6 +34,10 @@ from ._exceptions import LossReason as LossReason
 from ._lease import Lease as Lease
 from ._lease import LeaseGuard as LeaseGuard
 from ._lease import LeaseState as LeaseState
+from ._once import Serializer as Serializer
+from ._once import forget as forget
+from ._once import idempotent as idempotent
+from ._once import once as once
 
 try:
     __version__ = _version("asynclock")
@@ -41,6 +47,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "AcquireTimeout",
     "EventHook",
+    "IdempotencyConflict",
     "Lease",
     "LeaseContext",
     "LeaseEvent",
@@ -51,8 +58,13 @@ __all__ = [
     "LockError",
     "LockLost",
     "LossReason",
+    "Serializer",
     "acquire",
+    "every",
+    "forget",
+    "idempotent",
     "lease",
+    "once",
 ]
 
 for _name in __all__:

@@ -35,9 +35,9 @@ from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseErro
 
 from ._connections import Companion
 from ._exceptions import AcquireTimeout, LockBusy
-from ._lane import Lane, exchange
+from ._lane import Lane, exchange, not_sent
 from ._options import LeaseOptions
-from ._scripts import ACQUIRE, UNKNOWN_OUTCOME, Arg
+from ._scripts import ACQUIRE, ACQUIRE_JOB, UNKNOWN_OUTCOME, Arg
 from ._shield import finish
 from ._wakeup import Waiter
 
@@ -45,14 +45,14 @@ __all__ = [
     "HANDOFF_PATIENCE_MS",
     "Acquisition",
     "Grant",
-    "fence_ttl_ms",
+    "Job",
+    "JobConflict",
+    "JobDone",
     "register_ms",
     "unregister",
 ]
 
 log = logging.getLogger("asynclock")
-
-_DAY_MS: Final = 86_400_000
 
 HANDOFF_PATIENCE_MS: Final = 5
 """A releaser hands the lock within its own client's line until a waiter of another
@@ -60,15 +60,15 @@ client has been registered this long (ms); then it grants the lock to that clien
 offered token, or lets every client compete (see HANDOFF)."""
 
 
+TIMEOUT_GRACE: Final = 0.5
+"""Seconds past ``blocking_timeout`` that undoing an attempt still in flight at the bound
+may take (at most ``release_timeout``); past it, a key the attempt set expires by its TTL."""
+
+
 GRANT_FRESH_MS: Final = 1000
 """How old (ms) another client's offer may be for a release to grant it the key (and at
 most a third of its TTL); an older offer gets a plain release and a wake-up instead. This
 bounds how long after a waiter's last attempt a grant can go to a waiter that died."""
-
-
-def fence_ttl_ms(ttl_ms: int) -> int:
-    """How long (ms) a lock's fencing counter outlives its last write: a day, or 10 x ttl."""
-    return max(_DAY_MS, 10 * ttl_ms)
 
 
 def register_ms(ttl_ms: int) -> int:
@@ -81,21 +81,48 @@ def register_ms(ttl_ms: int) -> int:
 
 
 class Grant(NamedTuple):
-    """A successful acquire: our token, the fencing token minted, and ``t_send``."""
+    """A successful acquire: our token, the fencing token minted, and ``t_send``;
+    ``handed``: handed over by a releaser (the key holds ``<token>:<fence>`` alone)."""
 
     token: str
     fencing_token: int
     t_send: float
+    handed: bool = False
+
+
+class Job(NamedTuple):
+    """What makes an acquisition a job of ``once()``: the key of its result hash and the
+    caller's fingerprint digest ('' checks nothing)."""
+
+    result_key: str
+    fingerprint: str
+
+
+class JobDone(Exception):
+    """Raised by an attempt of a job that found its result stored: ``payload``."""
+
+    def __init__(self, payload: object) -> None:
+        super().__init__("the job's result is stored")
+        self.payload = payload
+
+
+class JobConflict(Exception):
+    """Raised by an attempt of a job that found another fingerprint: ``theirs``."""
+
+    def __init__(self, theirs: object) -> None:
+        super().__init__("the job runs, or ran, with another fingerprint")
+        self.theirs = theirs
 
 
 class Acquisition:
     """One acquire: a single attempt, or the wait in the local line until one succeeds."""
 
-    __slots__ = ("_companion", "_landed", "_loop", "_options", "_token", "_waiter")
+    __slots__ = ("_companion", "_job", "_landed", "_loop", "_options", "_token", "_waiter")
 
-    def __init__(self, companion: Companion, options: LeaseOptions) -> None:
+    def __init__(self, companion: Companion, options: LeaseOptions, job: Job | None = None) -> None:
         self._companion = companion
         self._options = options
+        self._job = job
         self._loop = companion.loop
         self._token = secrets.token_hex(16)
         self._landed = False  # our key is (or may be) set but not handed out
@@ -105,7 +132,7 @@ class Acquisition:
         """Acquire, by one attempt or by waiting in line, as the options say.
 
         Raises:
-            LockBusy: ``blocking=False`` and another owner holds the lock.
+            LockBusy: ``blocking=False`` and another lease holds the lock.
             AcquireTimeout: ``blocking_timeout`` passed, or (non-blocking) Redis answered
                 so late, twice, that too little of the TTL was left to hand the lease out.
             redis.exceptions.RedisError: Redis refused or stayed unreachable.
@@ -121,12 +148,19 @@ class Acquisition:
                 if self._usable(t_send):
                     return Grant(self._token, value, t_send)
             raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use the lease")
-        except BaseException:
+        except BaseException as exc:
             waiter = self._waiter
             offered = waiter is not None and (waiter.offered or waiter.exposed)
             try:
-                if self._landed or offered:
-                    await self._abandon()  # we hold (or may be handed) the key, never used
+                # (a job's result or conflict answered our last attempt: nothing of
+                # ours is in flight, and a grant to a withdrawn offer is given back by
+                # the room; no tombstone is left beside the result)
+                done = isinstance(exc, JobDone | JobConflict)
+                if self._landed or (offered and not done):
+                    # We hold (or may be handed) the key, never used. Past the caller's
+                    # blocking_timeout, undoing it may take only a short grace more.
+                    timed_out = isinstance(exc, AcquireTimeout)
+                    await self._abandon(TIMEOUT_GRACE if timed_out else None)
             finally:
                 self._companion.room.in_use.discard(self._token)
             raise
@@ -142,7 +176,9 @@ class Acquisition:
             # Nobody of this client waits for the lock: try at once, without a place in
             # the line (the uncontended case costs no line bookkeeping).
             while True:
-                status, value, t_send = await self._attempt(waiting=True, in_line=False)
+                status, value, t_send = await self._attempt(
+                    waiting=True, in_line=False, deadline=deadline
+                )
                 if status != 1:
                     failed_first = value
                     break
@@ -150,8 +186,11 @@ class Acquisition:
                     return Grant(self._token, value, t_send)
                 if deadline is not None and self._loop.time() >= deadline:
                     raise AcquireTimeout(options.name, timeout or 0.0, "Redis is slow")
-        waiter = self._waiter = room.join(channel, Waiter(self._token, options.ttl_ms))
+        waiter = self._waiter = room.join(
+            channel, Waiter(self._token, options.ttl_ms, options.fence_ttl_ms)
+        )
         granted: Grant | None = None
+        in_background = False  # (past blocking_timeout, or a job found done: see below)
         try:
             subscribed = False
             fallback: float | None = None
@@ -161,7 +200,7 @@ class Acquisition:
                     waiter.grant = None
                     waiter.offered = False  # the handoff is over (_landed covers the key)
                     if self._usable(t_send):
-                        granted = Grant(self._token, fence, t_send)
+                        granted = Grant(self._token, fence, t_send, handed=True)
                         return granted
                     waiter.event.set()  # too late to use: refresh it with an attempt
                 # (a waiter holding the key, granted too late to use, refreshes it even
@@ -174,7 +213,7 @@ class Acquisition:
                         status, value, t_send = 0, failed_first, 0.0
                         failed_first = None
                     else:
-                        status, value, t_send = await self._attempt(waiting=True)
+                        status, value, t_send = await self._attempt(waiting=True, deadline=deadline)
                     if status == 1:
                         if self._usable(t_send):
                             waiter.offered = False
@@ -187,7 +226,7 @@ class Acquisition:
                     self._landed = False  # (a key granted too late to use is gone)
                     if not subscribed:
                         subscribed = True
-                        if await room.subscribe(channel):
+                        if await room.subscribe(channel, deadline):
                             waiter.event.set()  # subscribed first, now try again
                             continue
                     fallback = self._fallback(value)
@@ -200,14 +239,19 @@ class Acquisition:
                         raise AcquireTimeout(options.name, timeout or 0.0)
                     wait = left if wait is None else min(wait, left)
                 fallback = await _wait_event(waiter.event, wait)
+        except (AcquireTimeout, JobDone, JobConflict):
+            in_background = True
+            raise
         finally:
             # Having just taken the lock, do not send the next in line to try in vain:
             # our release will wake it.
             room.leave(channel, waiter, wake_next=granted is None)
             if not room.waiting(channel) and room.registered(channel):
                 # Our line is empty: drop our registration as waiting. After a handoff
-                # (decided when it was sent) this goes on in the background.
-                if granted is None:
+                # (decided when it was sent), past blocking_timeout (Redis may not
+                # answer), or for a job found done (its caller returns the result at
+                # once), this goes on in the background.
+                if granted is None and not in_background:
                     await unregister(self._companion, options)
                 else:
                     room.in_background(unregister(self._companion, options))
@@ -243,18 +287,29 @@ class Acquisition:
         return False
 
     async def _attempt(
-        self, *, waiting: bool = False, in_line: bool = True
+        self, *, waiting: bool = False, in_line: bool = True, deadline: float | None = None
     ) -> tuple[int, int, float]:
         """One acquire: (1, fencing token) or (0, holder's pttl in ms), and its t_send.
-        ``waiting``: part of a blocking wait (``in_line``: from a place in the line).
+        ``waiting``: part of a blocking wait (``in_line``: from a place in the line);
+        ``deadline``: the loop time by which the wait ends (``blocking_timeout``).
 
         A connection error or timeout leaves the outcome unknown, so the same script is
         sent once more with the same token: if the first landed, the retry finds our own
-        key and answers with the same fencing token. If the outcome stays unknown, or the
-        caller is cancelled, the attempt is abandoned (see ``_abandon``) before raising.
+        key and answers with the same fencing token. If the outcome stays unknown, the
+        deadline passes, or the caller is cancelled, the attempt is abandoned (see
+        ``_abandon``) before raising. An error raised before anything was sent (the
+        server could not be reached, or refused the connection) is raised as it is.
+
+        Raises:
+            AcquireTimeout: ``deadline`` passed before Redis answered.
         """
         options = self._options
         keys = options.acquire_keys(self._token)
+        job = self._job
+        script = ACQUIRE
+        if job is not None:
+            script = ACQUIRE_JOB
+            keys.append(job.result_key)
         # A blocking wait registers this client as waiting (see HANDOFF), so releasers
         # in other clients let it have the lock after at most HANDOFF_PATIENCE_MS.
         room = self._companion.room
@@ -268,12 +323,14 @@ class Acquisition:
         args: list[Arg] = [
             self._token,
             options.ttl_ms,
-            fence_ttl_ms(options.ttl_ms),
+            options.fence_ttl_ms,
             room.origin if waiting else "",
             register_ms(options.ttl_ms),
             on_success,
             "",  # (our send time, when offering our token: see below)
         ]
+        if job is not None:
+            args.append(job.fingerprint)
         # (the waiter whose token a failed attempt offers: see below)
         offering = self._waiter if waiting and in_line else None
         if offering is not None and not (
@@ -300,13 +357,22 @@ class Acquisition:
                 args[6] = repr(t_send)
             try:
                 try:
-                    reply = await ACQUIRE(client, keys, args)
+                    reply = await script(client, keys, args, deadline)
                 except MaxConnectionsError:  # the caller's pool is full: nothing was sent
                     client = self._companion.overflow()
                     t_send = self._loop.time()  # (the offer keeps the earlier time)
-                    reply = await ACQUIRE(client, keys, args)
+                    reply = await script(client, keys, args, deadline)
                 break
-            except UNKNOWN_OUTCOME:
+            except UNKNOWN_OUTCOME as exc:
+                if not_sent(exc):  # this try never reached Redis (down, or refused us)
+                    if may_have_landed:  # (an earlier one may have)
+                        await self._abandon()
+                    raise
+                if deadline is not None and self._loop.time() >= deadline:
+                    self._landed = True  # (it may have: run() undoes it)
+                    raise AcquireTimeout(
+                        options.name, options.blocking_timeout or 0.0, "Redis did not answer"
+                    ) from exc
                 if not may_have_landed:
                     may_have_landed = True
                     continue
@@ -326,7 +392,12 @@ class Acquisition:
                 await self._abandon()
                 raise
         raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
-        status, value = int(raw_status), int(raw_value)
+        status = int(raw_status)
+        if status >= 2:  # (a job's: its result is stored, or another fingerprint's)
+            if task is not None and task.cancelling() > before:
+                raise asyncio.CancelledError
+            raise JobDone(raw_value) if status == 2 else JobConflict(raw_value)
+        value = int(raw_value)
         if task is not None and task.cancelling() > before:  # (see cancel_dropped)
             if status == 1:
                 await self._abandon()
@@ -337,19 +408,21 @@ class Acquisition:
             room.set_registered(channel, on_success == "keep" if status == 1 else True)
         return status, value, t_send
 
-    async def _abandon(self) -> None:
-        """Undo an attempt that may have landed, and stop it from landing later."""
+    async def _abandon(self, limit: float | None = None) -> None:
+        """Undo an attempt that may have landed, and stop it from landing later, within
+        ``limit`` seconds (at most ``release_timeout``)."""
         options = self._options
         companion = self._companion
         tombstone_ms = max(10_000, 3 * options.ttl_ms)
+        bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:
-            await companion.abandon(options.key, self._token, tombstone_ms, options.release_timeout)
+            await companion.abandon(options.key, self._token, tombstone_ms, bound)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.warning(
-                "asynclock: could not undo an abandoned acquire of %r (%r); "
-                "if it landed, its key expires by its TTL",
+                "asynclock: could not undo an acquire attempt of %r that may have landed "
+                "(%r); if it did, its key expires by its TTL",
                 options.name,
                 exc,
             )

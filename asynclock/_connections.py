@@ -25,15 +25,16 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
+from ._compat import fit_settings
 from ._lane import Lane
+from ._leftovers import forget_closed_loops
 from ._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
 from ._shield import finish
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
-__all__ = ["Companion", "companion_for", "connection_settings"]
+__all__ = ["Companion", "HoldEntry", "companion_for", "connection_settings"]
 
 log = logging.getLogger("asynclock")
 
@@ -69,13 +70,18 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
     # would read a reply on the subscription connection while its listener reads, which
     # breaks it, and would add a round trip to a renewal's budget; our connections have
     # time limits and a heartbeat of their own.
-    settings.update(protocol=2, driver_info=None, health_check_interval=0)
-    return pool.connection_class, settings
+    # (fit_settings: only what this redis-py's connection class takes, CLIENT SETINFO off)
+    settings.update(protocol=2, health_check_interval=0)
+    return pool.connection_class, fit_settings(pool.connection_class, settings)
 
 
 _OVERFLOW_CONNECTIONS = 32
 _ORPHAN_LIMIT = 1.0  # seconds allowed to give back a key granted to a waiter that left
 _ORPHAN_TOMBSTONE_MS = 10_000
+
+
+HoldEntry = tuple[str, "asyncio.Task[Any] | None"]
+"""A task inside a block or guard of a lock: (the lock's lease key, the task)."""
 
 
 def _no_retry() -> Retry:
@@ -98,6 +104,9 @@ class Companion:
         self.watchdog = Watchdog(loop, self.renewer)
         self._users = 0
         self._eviction_check: asyncio.Task[None] | None = None
+        # (lease key, task) -> how many blocks and guards of that lock the task is in: a
+        # task that enters a lock it holds would wait for itself forever (see holding).
+        self._holding: dict[HoldEntry, int] = {}
         # anyio's CancelScope() looks up the running event loop's backend every time; the
         # class it returns for this loop makes scopes directly.
         self.cancel_scope: type[anyio.CancelScope] = type(anyio.CancelScope())
@@ -116,6 +125,32 @@ class Companion:
         clients = self._renewer is not None or self._overflow is not None
         busy = clients or self.room.open or self.watchdog.running or checking
         return self._users == 0 and busy
+
+    def check_not_holding(self, key: str, name: str) -> None:
+        """Raise ``RuntimeError`` if the current task is inside a block or a guard of the
+        lock whose lease key is ``key``: taking it again would wait for itself forever
+        (leases are not re-entrant). Other tasks of the process wait their turn."""
+        if self._holding and (key, asyncio.current_task()) in self._holding:
+            raise RuntimeError(
+                f"the lock {name!r} is already held by this task (an `async with` block or "
+                "a guard() of it is open here): leases are not re-entrant, and waiting for "
+                "it here would wait for this task itself forever"
+            )
+
+    def holding(self, key: str) -> HoldEntry:
+        """Note that the current task entered a block or a guard of the lock of ``key``;
+        returns the entry to give to :meth:`left`."""
+        entry = (key, asyncio.current_task())
+        self._holding[entry] = self._holding.get(entry, 0) + 1
+        return entry
+
+    def left(self, entry: HoldEntry | None) -> None:
+        """The block or guard noted by :meth:`holding` has exited (None: nothing noted)."""
+        if entry is None:
+            return
+        count = self._holding.pop(entry, 0) - 1
+        if count > 0:
+            self._holding[entry] = count
 
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
@@ -197,6 +232,15 @@ class Companion:
                 _warn_if_evicting(self.client), name="asynclock-eviction-check"
             )
 
+    def forget(self) -> None:
+        """This companion's loop has closed: disconnect its own connections without that
+        loop (see ``_leftovers``); what it did not close stays unused."""
+        for client in (self._renewer, self._overflow):
+            if client is not None:
+                forget_closed_loops(client.connection_pool)
+        self._renewer = self._overflow = None
+        self.room.forget()
+
     async def aclose_if_idle(self) -> None:
         """Close the dedicated connections unless a lease or waiter came back meanwhile.
 
@@ -230,7 +274,7 @@ async def _warn_if_evicting(client: Redis) -> None:
     try:
         async with asyncio.timeout(2.0):
             config = await client.config_get("maxmemory*")
-    except (RedisError, OSError, TimeoutError) as exc:
+    except Exception as exc:  # (a background task's: nothing may go unretrieved)
         log.debug("asynclock: could not read the eviction policy: %r", exc)
         return
     settings = {_text(k): _text(v) for k, v in config.items()}
@@ -248,6 +292,7 @@ def _text(value: object) -> str:
 
 
 _ATTRIBUTE = "_asynclock_companion"
+_OTHERS = "_asynclock_companions"  # loop -> the client's companion there, every open loop
 
 
 def companion_for(client: Redis) -> Companion:
@@ -261,6 +306,27 @@ def companion_for(client: Redis) -> Companion:
     companion: Companion | None = getattr(client, _ATTRIBUTE, None)
     # (a copy of a client, copy.copy, carries its original's companion: not its own)
     if companion is None or companion.loop is not loop or companion.client is not client:
-        companion = Companion(client, loop)
+        companion = _companion_on(client, loop)
         setattr(client, _ATTRIBUTE, companion)
+    return companion
+
+
+def _companion_on(client: Redis, loop: asyncio.AbstractEventLoop) -> Companion:
+    """The companion of ``client`` on ``loop``, the client having been used on another
+    loop last (or never): per-loop state is made per loop, and what closed loops left
+    is dropped (see ``_leftovers``) so that none of it reaches this one."""
+    known: dict[asyncio.AbstractEventLoop, Companion] = getattr(client, _OTHERS, None) or {}
+    companions: dict[asyncio.AbstractEventLoop, Companion] = {}
+    for other_loop, other in known.items():
+        if other.client is not client:
+            continue  # (the original's, seen through a copy.copy of it)
+        if other_loop.is_closed():
+            other.forget()
+        else:
+            companions[other_loop] = other
+    companion = companions.get(loop)
+    if companion is None:
+        forget_closed_loops(client.connection_pool)
+        companion = companions[loop] = Companion(client, loop)
+    setattr(client, _OTHERS, companions)  # (a new dict: a copy's must not be its original's)
     return companion

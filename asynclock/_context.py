@@ -11,12 +11,14 @@ which case it is left first (it would cancel the release too).
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
 from types import TracebackType
 
 from redis.asyncio import Redis
 
-from ._acquire import Acquisition
-from ._connections import companion_for
+from ._acquire import Acquisition, Job, JobConflict, JobDone
+from ._connections import HoldEntry, companion_for
 from ._events import EventHook, LeaseEventKind
 from ._lease import Lease, LeaseState
 from ._options import LeaseOptions
@@ -24,31 +26,46 @@ from ._release import Wake, give_back, settle, unretain
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 
+_LETTING_GO: set[asyncio.Task[None]] = set()  # see take()
 
-async def take(redis: Redis, options: LeaseOptions, hook: EventHook | None) -> Lease:
-    """Acquire the lock of ``options`` (see ``Acquisition``): the held lease, not yet
-    watched (the caller starts it without awaiting first)."""
+
+async def take(
+    redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
+) -> Lease:
+    """Acquire the lock of ``options`` (see ``Acquisition``; ``job``: for ``once()``): the
+    held lease, not yet watched (the caller starts it without awaiting first)."""
     companion = companion_for(redis)
+    companion.check_not_holding(options.key, options.name)
     companion.retain()
     companion.check_eviction_once()
     try:
-        grant = await Acquisition(companion, options).run()
+        grant = await Acquisition(companion, options, job).run()
+    except (JobDone, JobConflict):
+        # A job's result (or conflict): its caller returns at once; letting go of the
+        # companion (closing idle side connections) goes on in the background.
+        task = companion.loop.create_task(unretain(companion), name="asynclock-unretain")
+        _LETTING_GO.add(task)
+        task.add_done_callback(_LETTING_GO.discard)
+        raise
     except BaseException:
         await unretain(companion)
         raise
-    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+    # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
+    suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
+    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook, suffix)
 
 
 class LeaseContext:
     """The async context manager returned by :func:`lease`; single use."""
 
-    __slots__ = ("_hook", "_lease", "_options", "_redis")
+    __slots__ = ("_entry", "_hook", "_lease", "_options", "_redis")
 
     def __init__(self, redis: Redis, options: LeaseOptions, hook: EventHook | None) -> None:
         self._redis: Redis | None = redis  # None once entered
         self._options = options
         self._hook = hook
         self._lease: Lease | None = None
+        self._entry: HoldEntry | None = None  # see Companion.holding
 
     async def __aenter__(self) -> Lease:
         redis = self._redis
@@ -60,6 +77,7 @@ class LeaseContext:
         scope = held._companion.cancel_scope()
         scope.__enter__()
         held._start(scope)
+        self._entry = held._companion.holding(held.key)
         held._event(LeaseEventKind.ACQUIRED)
         return held
 
@@ -97,6 +115,7 @@ class LeaseContext:
                 if inside:
                     scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
         finally:
+            held._companion.left(self._entry)
             await settle(held, wake)
         if held.state is LeaseState.LOST:  # (our scope only cancels the body then)
             held._raise_loss(body_error, "this block")
@@ -106,12 +125,14 @@ def lease(
     redis: Redis,
     name: str,
     *,
-    ttl: float = 10.0,
+    ttl: float | timedelta = 10.0,
     blocking: bool = True,
-    blocking_timeout: float | None = None,
-    release_timeout: float = 2.0,
+    blocking_timeout: float | timedelta | None = None,
+    release_timeout: float | timedelta = 2.0,
     prefix: str = "asynclock:",
     on_event: EventHook | None = None,
+    fence_ttl: float | timedelta | None = None,
+    hold_at_least: float | timedelta | None = None,
 ) -> LeaseContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -119,7 +140,9 @@ def lease(
         redis: a ``redis.asyncio.Redis`` client (``decode_responses`` either way).
         name: the lock's name; non-empty.
         ttl: seconds the key lives in Redis unless renewed; the watchdog renews it every
-            ``ttl / 3``. At least 0.03.
+            ``ttl / 3``. At least 0.03, at most ``9e11`` (every time argument takes a
+            ``datetime.timedelta`` too). A whole number of thousands of seconds is warned
+            about (``UserWarning``): likely milliseconds given as seconds.
         blocking: wait for the lock (True) or make one attempt (False).
         blocking_timeout: with ``blocking=True``, the most seconds to wait; None waits
             until acquired (the caller's own ``asyncio.timeout`` works too).
@@ -127,11 +150,27 @@ def lease(
             to expire by its TTL.
         prefix: prepended to every key and channel of the lock.
         on_event: called with a :class:`LeaseEvent` at each step of the lease's life.
+        fence_ttl: seconds the lock's fencing counter outlives its last acquisition (one
+            small key per lock name); None: ``max(10 * ttl, 60)``. At least ``ttl``. The
+            server's clock floors fencing tokens anyway; the counter keeps them increasing
+            should that clock step back while it lives.
+        hold_at_least: seconds from the acquisition during which the lock stays taken
+            even once given back: a release before then keeps the key (owner-checked)
+            until then instead of deleting it, so that a server whose scheduler fires
+            late, by less than that, finds this run of the job taken (see the README's
+            "once per tick"). Waiters are woken, and wait until the key expires.
 
     Raises (when the block is entered):
-        LockBusy: ``blocking=False`` and another owner holds the lock.
-        AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``).
-        redis.exceptions.RedisError: Redis refused or could not be reached.
+        LockBusy: ``blocking=False`` and another lease holds the lock.
+        AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``),
+            round trips to Redis included: a Redis that stops answering gives it too,
+            within ``blocking_timeout`` plus at most 0.5 s to undo an attempt in flight.
+        RuntimeError: this task already holds the lock (it is inside an ``async with``
+            block or a ``guard()`` of it, through this client): leases are not
+            re-entrant, and waiting would wait for itself forever.
+        redis.exceptions.RedisError: Redis refused or could not be reached (as the
+            client's own commands raise it: ``ConnectionError``,
+            ``AuthenticationError``, ...).
 
     Raises (when the block exits):
         LockLost: the lease was lost while the block ran (the block was cancelled). An
@@ -140,7 +179,16 @@ def lease(
     ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
     """
     options = _options(
-        redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix, on_event
+        redis,
+        name,
+        ttl,
+        blocking,
+        blocking_timeout,
+        release_timeout,
+        prefix,
+        on_event,
+        fence_ttl,
+        hold_at_least,
     )
     return LeaseContext(redis, options, on_event)
 
@@ -149,12 +197,14 @@ async def acquire(
     redis: Redis,
     name: str,
     *,
-    ttl: float = 10.0,
+    ttl: float | timedelta = 10.0,
     blocking: bool = True,
-    blocking_timeout: float | None = None,
-    release_timeout: float = 2.0,
+    blocking_timeout: float | timedelta | None = None,
+    release_timeout: float | timedelta = 2.0,
     prefix: str = "asynclock:",
     on_event: EventHook | None = None,
+    fence_ttl: float | timedelta | None = None,
+    hold_at_least: float | timedelta | None = None,
 ) -> Lease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -171,7 +221,16 @@ async def acquire(
     I/O. A cancellation while acquiring leaves no key behind.
     """
     options = _options(
-        redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix, on_event
+        redis,
+        name,
+        ttl,
+        blocking,
+        blocking_timeout,
+        release_timeout,
+        prefix,
+        on_event,
+        fence_ttl,
+        hold_at_least,
     )
     held = await take(redis, options, on_event)
     held._start(None)
@@ -182,17 +241,27 @@ async def acquire(
 def _options(
     redis: Redis,
     name: str,
-    ttl: float,
+    ttl: object,
     blocking: bool,
-    blocking_timeout: float | None,
-    release_timeout: float,
+    blocking_timeout: object,
+    release_timeout: object,
     prefix: str,
     on_event: object,
+    fence_ttl: object,
+    hold_at_least: object,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
     if on_event is not None and not callable(on_event):
         raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
     return LeaseOptions.cached(
-        redis, name, ttl, blocking, blocking_timeout, release_timeout, prefix
+        redis,
+        name,
+        ttl,
+        blocking,
+        blocking_timeout,
+        release_timeout,
+        prefix,
+        fence_ttl,
+        hold_at_least,
     )

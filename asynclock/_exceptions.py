@@ -3,9 +3,11 @@
 Every error asynclock raises on purpose derives from :class:`LockError`, split by cause::
 
     LockError
-    ├── LockLost            the lease was taken away while held (see ``reason``)
-    ├── LockBusy            blocking=False and another holder has the lock
-    └── AcquireTimeout      blocking_timeout ran out (also a builtin ``TimeoutError``)
+    ├── LockLost               the lease was taken away while held (see ``reason``)
+    ├── LockBusy               blocking=False and another holder has the lock
+    ├── AcquireTimeout         blocking_timeout ran out (also a builtin ``TimeoutError``)
+    └── IdempotencyConflict    once(): the key's job runs, or ran, with another
+                               fingerprint (also a builtin ``ValueError``)
 
 Misuse of the API (bad arguments) raises the builtin ``TypeError`` / ``ValueError`` before
 any I/O. Errors from Redis itself (``redis.exceptions.RedisError``) pass through unchanged
@@ -17,7 +19,14 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["AcquireTimeout", "LockBusy", "LockError", "LockLost", "LossReason"]
+__all__ = [
+    "AcquireTimeout",
+    "IdempotencyConflict",
+    "LockBusy",
+    "LockError",
+    "LockLost",
+    "LossReason",
+]
 
 
 class LossReason(enum.StrEnum):
@@ -33,6 +42,10 @@ class LossReason(enum.StrEnum):
 
     WATCHDOG_FAILED = "watchdog_failed"
     """The renewal task died of an unexpected error; treated as a loss, never as silence."""
+
+    FENCED = "fenced"
+    """A fence (``asynclock.postgres.fence``) found a newer holder's fencing token
+    recorded: this holder's effects must not be committed."""
 
     def __str__(self) -> str:
         return self.value
@@ -66,13 +79,14 @@ class LockLost(LockError):
 
 
 class LockBusy(LockError):
-    """A non-blocking acquire found the lock held by someone else."""
+    """A non-blocking acquire found the lock held by another lease (of another process,
+    or of this one: a lease of ``acquire()`` is held by no task)."""
 
     def __init__(self, name: str, pttl: float | None = None) -> None:
         self.name = name
         self.retry_after = pttl
         """Seconds until the current holder's key expires unless renewed, if known."""
-        message = f"lock {name!r} is held by another owner"
+        message = f"lock {name!r} is held by another lease"
         if pttl is not None:
             message += f" (its key expires in {pttl:.3f}s unless renewed)"
         super().__init__(message)
@@ -95,3 +109,18 @@ class AcquireTimeout(LockError, TimeoutError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.timeout, self.detail))
+
+
+class IdempotencyConflict(LockError, ValueError):
+    """``once()`` was called for a key whose job runs, or ran, with another fingerprint:
+    the same key for a different payload. ``func`` was not called."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(
+            f"the job {key!r} runs, or ran, with another fingerprint: the same key was "
+            "given for a different payload"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key,))

@@ -38,10 +38,12 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from redis.asyncio import Redis
+from redis.exceptions import AuthenticationError, MaxConnectionsError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, ResponseError
 
-__all__ = ["Lane", "encoding_in", "encoding_of", "exchange"]
+from ._compat import as_connection_error, as_max_connections_error, exhausted, get_connection
+
+__all__ = ["Lane", "encoding_in", "encoding_of", "exchange", "mark_not_sent", "not_sent"]
 
 _SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
 _LINGER: Final = 1.0  # seconds unused after which the lane gives its connections back
@@ -112,6 +114,9 @@ class Lane:
                 async with asyncio.timeout_at(None if deadline is None else (now + deadline) / 2):
                     connection, saved = await self._borrow()
             except (RedisConnectionError, OSError, TimeoutError) as exc:
+                if not isinstance(exc, TimeoutError) and not _exhausted(exc):
+                    mark_not_sent(exc)  # the server could not be reached (or refused us)
+                    raise
                 raise MaxConnectionsError(f"asynclock: no lane connection: {exc!r}") from exc
         else:  # every lane connection is busy (or none allowed): the ordinary way
             async with asyncio.timeout_at(deadline):
@@ -191,7 +196,7 @@ class Lane:
         pool = self.client.connection_pool
         self._held += 1  # counted before the await: a burst takes no more than _size
         try:
-            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+            connection = await get_connection(pool)
         except BaseException:
             self._held -= 1
             raise
@@ -241,6 +246,28 @@ class Lane:
                 await self._give_back(connection, saved)
 
 
+_NOT_SENT: Final = "_asynclock_not_sent"
+
+
+def mark_not_sent(error: BaseException) -> None:
+    """Mark ``error`` as raised before its command was sent (no connection could be had
+    or made) or refused unrun (NOAUTH): the command did not run."""
+    setattr(error, _NOT_SENT, True)
+
+
+def not_sent(error: BaseException) -> bool:
+    """Whether ``error`` was raised before its command was sent (see ``mark_not_sent``):
+    its outcome is known, nothing ran."""
+    return getattr(error, _NOT_SENT, False) is True
+
+
+def _exhausted(error: BaseException) -> bool:
+    """Whether a failure to get a connection from a pool means that the pool had none
+    free (nothing was tried; another pool may do) rather than that the server could not
+    be reached or refused the connection."""
+    return exhausted(error) or "No connection available" in str(error)
+
+
 class _Bound:
     """A bounded exchange in flight: its task, its end (loop time), whether the shared
     timer cancelled it, and the task's count of cancellation requests before it began."""
@@ -255,11 +282,17 @@ class _Bound:
 
 
 async def _round_trip(connection: Any, packed: bytes) -> object:
-    await connection.send_packed_command(packed, check_health=False)
     try:
-        return await connection.read_response()
-    except ResponseError as error:
-        return error
+        await connection.send_packed_command(packed, check_health=False)
+        try:
+            return await connection.read_response()
+        except ResponseError as error:
+            return error
+        except AuthenticationError as error:  # (NOAUTH: the command did not run)
+            mark_not_sent(error)
+            raise
+    except AttributeError as error:  # (a dropped connection, on some Pythons: _compat)
+        raise as_connection_error(error)  # noqa: B904 (chained by as_connection_error)
 
 
 async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
@@ -273,7 +306,12 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
     pool. Raises ``MaxConnectionsError`` (nothing sent) when the pool is exhausted.
     """
     pool = client.connection_pool
-    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        connection = await get_connection(pool)
+    except (RedisConnectionError, OSError) as exc:
+        error = as_max_connections_error(exc)  # (redis-py before 8: see _compat)
+        mark_not_sent(error)
+        raise error  # noqa: B904 (chained by as_max_connections_error)
     try:
         await connection.send_packed_command(packed)
         replies: list[object] = []
@@ -282,11 +320,16 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
                 replies.append(await connection.read_response())
             except ResponseError as error:
                 replies.append(error)
+            except AuthenticationError as error:  # (NOAUTH: the command did not run)
+                mark_not_sent(error)
+                raise
         return replies
-    except BaseException:
+    except BaseException as exc:
         # At once: a graceful close could wait for the peer, and a renewal in flight must
         # end by its lease's deadline.
         await connection.disconnect(nowait=True)
+        if isinstance(exc, AttributeError):  # (a dropped connection, on some Pythons)
+            raise as_connection_error(exc)  # noqa: B904 (chained by as_connection_error)
         raise
     finally:
         await pool.release(connection)

@@ -20,18 +20,19 @@ import contextlib
 import enum
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Final, final
 
 import anyio
 import anyio.lowlevel
 
-from ._connections import Companion
+from ._connections import Companion, HoldEntry
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
-from ._release import Wake, give_back, settle
-from ._scripts import RENEW, Script, run_idempotent, unpack_arg
+from ._release import Wake, give_back, give_back_storing, settle
+from ._scripts import RENEW, Arg, Script, run_idempotent, unpack_arg
 from ._shield import cancel_dropped, cancelling
 from ._watchdog import report_stall
 
@@ -39,7 +40,11 @@ __all__ = ["Lease", "LeaseGuard", "LeaseState"]
 
 log = logging.getLogger("asynclock")
 
-_GET: Final = Script("get", "return redis.call('GET', KEYS[1])")
+# Compared in Redis: whatever bytes the key holds, the reply is an integer, which a
+# client of any decode mode reads (a value that is not valid text would fail to decode).
+_IS_OURS: Final = Script(
+    "is_ours", "if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end return 0"
+)
 
 
 class LeaseState(enum.StrEnum):
@@ -77,6 +82,7 @@ class Lease:
         "_due",
         "_guards",
         "_hook",
+        "_keep_until",
         "_last_send",
         "_lost_cause",
         "_lost_reason",
@@ -97,6 +103,7 @@ class Lease:
         fencing_token: int,
         t_send: float,
         hook: EventHook | None,
+        suffix: str = "",
     ) -> None:
         self._options = options
         self._companion = companion
@@ -105,9 +112,13 @@ class Lease:
         """Strictly greater than every fencing token issued before for this name."""
         # The key's value, "<token>:<fencing token>" (the token is kept only in here).
         # Packed into the renew command's arguments at the first renewal (see _renew_tail).
-        self._value: str | bytes = f"{token}:{fencing_token}"
+        # (``suffix``: a job's fingerprint, ":<digest>", kept in the value while it runs)
+        self._value: str | bytes = f"{token}:{fencing_token}{suffix}"
         self._last_send = t_send
         self._safe_until = options.safe_until(t_send)
+        # With hold_at_least, the loop time before which a release keeps the key.
+        hold = options.hold_at_least
+        self._keep_until = t_send + hold if hold else None
         self._state = LeaseState.HELD
         self._lost_reason: LossReason | None = None
         self._lost_cause: BaseException | None = None
@@ -183,10 +194,12 @@ class Lease:
         before = cancelling()
         companion = self._companion
         async with asyncio.timeout(self.time_left):
-            value = await run_idempotent(_GET, companion.client, companion.overflow, [self.key], [])
+            ours = await run_idempotent(
+                _IS_OURS, companion.client, companion.overflow, [self.key], [self._owner()]
+            )
         if cancel_dropped(before):
             raise asyncio.CancelledError
-        if _text(value) != self._owner():
+        if ours != 1:
             self._found_not_ours()
             return False
         return self._held_locally()
@@ -235,6 +248,10 @@ class Lease:
             RuntimeError: the lease is an ``async with lease(...)`` block's (its exit
                 gives it back), or a ``guard()`` of it is still open.
         """
+        await self._release(None)
+
+    async def _release(self, give: Callable[[Lease], Awaitable[Wake]] | None) -> None:
+        """``release()``, giving the key back with ``give`` if given."""
         in_flight = sys.exc_info()[1]
         guards = self._guards
         if guards is None:
@@ -254,7 +271,10 @@ class Lease:
             wake = Wake.OURS
             try:
                 self._overran("the release")
-                wake = await give_back(self, shielded=False)
+                if give is None:
+                    wake = await give_back(self, shielded=False)
+                else:  # (once(): the result stored with the release, see _release)
+                    wake = await give(self)
             finally:
                 try:
                     await settle(self, wake)
@@ -262,6 +282,27 @@ class Lease:
                     self._released.set()
         if self._state is LeaseState.LOST:
             self._raise_loss(in_flight, "the code that released it")
+
+    async def _store_and_release(self, keys: list[str], args: list[Arg]) -> bool | None:
+        """Release a lease of ``once()`` storing its job's result in the same step (the
+        STORE script). Returns True if stored, None if that is unknown (Redis did not
+        answer: logged). ``release()``'s rules otherwise.
+
+        Raises:
+            LockLost: the key was not ours: nothing was stored.
+        """
+        stored: bool | None = None
+
+        async def give(held: Lease) -> Wake:
+            nonlocal stored
+            if held._state is LeaseState.LOST:  # (lost: a plain release, nothing stored)
+                stored = False
+                return await give_back(held, shielded=False)
+            stored = await give_back_storing(held, keys, args)
+            return Wake.OURS
+
+        await self._release(give)
+        return stored
 
     def guard(self) -> LeaseGuard:
         """``async with lease.guard():`` runs a stretch of work that stops when a lease of
@@ -447,11 +488,12 @@ class Lease:
 class LeaseGuard:
     """The async context manager returned by :meth:`Lease.guard`; single use."""
 
-    __slots__ = ("_lease", "_scope")
+    __slots__ = ("_entry", "_lease", "_scope")
 
     def __init__(self, lease: Lease) -> None:
         self._lease = lease
         self._scope: anyio.CancelScope | None = None
+        self._entry: HoldEntry | None = None  # see Companion.holding
 
     async def __aenter__(self) -> Lease:
         held = self._lease
@@ -471,6 +513,7 @@ class LeaseGuard:
         scope.__enter__()
         self._scope = scope
         held._guards = (*held._guards, scope)
+        self._entry = held._companion.holding(held.key)
         return held
 
     async def __aexit__(
@@ -484,14 +527,9 @@ class LeaseGuard:
         if scope is None or held._guards is None or scope not in held._guards:
             raise RuntimeError("a guard's __aexit__ without its __aenter__, or twice")
         held._guards = tuple(open_ for open_ in held._guards if open_ is not scope)
+        held._companion.left(self._entry)
         overran = held._overran("a guard's exit")  # (not cancelling this guard's scope)
         lost_here = held._state is LeaseState.LOST and (scope.cancel_called or overran)
         swallowed = bool(scope.__exit__(exc_type, exc, tb))
         if lost_here:
             held._raise_loss(None if swallowed else exc, "a guard of it")
-
-
-def _text(value: object) -> str | None:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return value if value is None else str(value)

@@ -7,15 +7,35 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from redis.asyncio import Redis
 
-__all__ = ["MIN_TTL", "LeaseOptions", "drift_for"]
+__all__ = ["MAX_TTL", "MIN_TTL", "LeaseOptions", "default_fence_ttl", "drift_for"]
 
 MIN_TTL = 0.03
 """Shortest TTL accepted, in seconds: below it a renewal every ttl/3 (10 ms) cannot be
 relied on to travel to Redis and back in time."""
+
+MAX_TTL = 900_000_000_000.0
+"""Longest TTL (and ``fence_ttl``) accepted, in seconds (about 28,500 years): every expiry
+derived from it (up to 10 x ttl, in milliseconds) stays an integer that Lua's numbers
+hold exactly (2**53) and that Redis accepts as an expiry."""
+
+_FENCE_TTL_FLOOR = 60.0  # seconds: see default_fence_ttl
+
+
+def default_fence_ttl(ttl: float) -> float:
+    """How long (seconds) a lock's fencing counter outlives its last acquisition unless
+    ``fence_ttl`` is given: 10 x ttl, and at least a minute.
+
+    The counter only adds to the server's clock, by which tokens are floored (see the
+    ACQUIRE script): it keeps tokens increasing should that clock step back while it
+    lives. A long retention costs one small key per finished name (a lock per job).
+    """
+    return max(10 * ttl, _FENCE_TTL_FLOOR)
 
 
 def drift_for(ttl: float) -> float:
@@ -33,8 +53,12 @@ _BUILT_MAX = 1024
 
 
 def _number(argument: str, value: object) -> float:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{argument} must be a number of seconds, not {type(value).__name__}")
+        raise TypeError(
+            f"{argument} must be a number of seconds or a timedelta, not {type(value).__name__}"
+        )
     result = float(value)
     if not math.isfinite(result):
         raise ValueError(f"{argument} must be finite, got {value!r}")
@@ -45,6 +69,30 @@ def _positive(argument: str, value: object) -> float:
     result = _number(argument, value)
     if result <= 0:
         raise ValueError(f"{argument} must be positive, got {value!r}")
+    return result
+
+
+def _duration(argument: str, value: object) -> float:
+    """A TTL: positive, at least MIN_TTL, at most MAX_TTL seconds."""
+    result = _positive(argument, value)
+    if result < MIN_TTL:
+        raise ValueError(
+            f"{argument} must be at least {MIN_TTL}s so the lease can be renewed every "
+            f"ttl/3, got {value!r}"
+        )
+    if result > MAX_TTL:
+        raise ValueError(
+            f"{argument} must be at most {MAX_TTL:.0f}s (about 28,500 years; Redis and "
+            f"its Lua scripts cannot count longer expiries exactly), got {value!r}"
+        )
+    if argument == "ttl" and not isinstance(value, timedelta) and result % 1000 == 0:
+        warnings.warn(
+            f"{argument}={value!r} is {result / 3600:.1f} hours: asynclock takes seconds "
+            f"(did you mean {argument}={result / 1000:g}, milliseconds given as seconds?); "
+            "pass a timedelta to say it is meant",
+            UserWarning,
+            stacklevel=5,
+        )
     return result
 
 
@@ -72,14 +120,23 @@ class LeaseOptions:
     blocking_timeout: float | None
     release_timeout: float
     prefix: str
+    fence_ttl: float = 0.0
+    """How long the fencing counter outlives its last write, seconds (0: the default)."""
+    hold_at_least: float = 0.0
+    """Seconds from the acquisition before which a release keeps the key (0: none)."""
     key: str = field(init=False)
     """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
     ttl_ms: int = field(init=False)
     """The TTL in whole milliseconds (at least 1), as sent to Redis."""
+    fence_ttl_ms: int = field(init=False)
+    """The fencing counter's retention in whole milliseconds, as sent to Redis."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", f"{self.prefix}{{{self.name}}}")
         object.__setattr__(self, "ttl_ms", max(1, round(self.ttl * 1000)))
+        fence_ttl = self.fence_ttl or default_fence_ttl(self.ttl)
+        object.__setattr__(self, "fence_ttl", fence_ttl)
+        object.__setattr__(self, "fence_ttl_ms", max(self.ttl_ms, round(fence_ttl * 1000)))
 
     @property
     def fence_key(self) -> str:
@@ -121,6 +178,8 @@ class LeaseOptions:
         blocking_timeout: object,
         release_timeout: object,
         prefix: object,
+        fence_ttl: object = None,
+        hold_at_least: object = None,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -138,12 +197,16 @@ class LeaseOptions:
                 blocking_timeout,
                 release_timeout,
                 prefix,
+                fence_ttl,
+                hold_at_least,
                 type(name),
                 type(ttl),
                 type(blocking),
                 type(blocking_timeout),
                 type(release_timeout),
                 type(prefix),
+                type(fence_ttl),
+                type(hold_at_least),
             )
             try:
                 return _BUILT[key]
@@ -162,18 +225,34 @@ class LeaseOptions:
             raise TypeError(f"name must be a str, not {type(name).__name__}")
         if not name:
             raise ValueError("name must not be empty")
-        ttl_s = _positive("ttl", ttl)
-        if ttl_s < MIN_TTL:
+        if name.startswith("}"):
             raise ValueError(
-                f"ttl must be at least {MIN_TTL}s so the lease can be renewed every ttl/3, "
-                f"got {ttl!r}"
+                f"name must not start with '}}', got {name!r}: a lock's keys share the hash "
+                "tag {name}, and a tag that closes at once is empty, which would spread "
+                "them over Redis Cluster slots"
             )
+        ttl_s = _duration("ttl", ttl)
+        fence_s = 0.0
+        if fence_ttl is not None:
+            fence_s = _duration("fence_ttl", fence_ttl)
+            if fence_s < ttl_s:
+                raise ValueError(
+                    f"fence_ttl must be at least ttl ({ttl_s:g}s): the fencing counter must "
+                    f"outlive the lease, got {fence_ttl!r}"
+                )
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
         wait = _optional_timeout("blocking_timeout", blocking_timeout)
         if wait is not None and not blocking:
             raise ValueError("blocking_timeout can only be given with blocking=True")
         release = _positive("release_timeout", release_timeout)
+        hold = 0.0
+        if hold_at_least is not None:
+            hold = _positive("hold_at_least", hold_at_least)
+            if hold > MAX_TTL:
+                raise ValueError(
+                    f"hold_at_least must be at most {MAX_TTL:.0f}s, got {hold_at_least!r}"
+                )
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -185,6 +264,8 @@ class LeaseOptions:
             blocking_timeout=wait,
             release_timeout=release,
             prefix=prefix,
+            fence_ttl=fence_s,
+            hold_at_least=hold,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:

@@ -13,23 +13,24 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Final
 
 from redis.exceptions import MaxConnectionsError
 
-from ._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, fence_ttl_ms, register_ms, unregister
+from ._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, register_ms, unregister
 from ._connections import Companion
 from ._events import LeaseEventKind
 from ._exceptions import LossReason
-from ._scripts import HANDOFF, RELEASE, UNKNOWN_OUTCOME, Arg, Script
+from ._scripts import HANDOFF, RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
 from ._shield import finish, finish_idempotent
 from ._wakeup import Waiter
 
 if TYPE_CHECKING:
     from ._lease import Lease
 
-__all__ = ["Wake", "give_back", "settle", "unretain"]
+__all__ = ["Wake", "give_back", "give_back_storing", "settle", "unretain"]
 
 log = logging.getLogger("asynclock")
 
@@ -63,6 +64,11 @@ async def give_back(held: Lease, *, shielded: bool) -> Wake:
     if successor is not None and (successor.offered or successor.grant is not None):
         successor = None
     t_offer = held._companion.loop.time()
+    keep_ms = 0  # (hold_at_least: the key is kept this long rather than deleted)
+    keep_until = held._keep_until
+    if keep_until is not None and keep_until > t_offer:
+        keep_ms = math.ceil((keep_until - t_offer) * 1000)
+        successor = None  # (nobody takes it before then)
     behind: Waiter | None = None
     if successor is not None:
         successor.offered = True  # from now on the key may hold its token
@@ -83,6 +89,7 @@ async def give_back(held: Lease, *, shielded: bool) -> Wake:
         runs += 1  # a second run (after a native cancellation) is not definitive
         return _release(
             held,
+            keep_ms=keep_ms,
             first=runs == 1,
             successor=successor,
             behind=behind,
@@ -114,6 +121,62 @@ async def give_back(held: Lease, *, shielded: bool) -> Wake:
     return Wake.OURS
 
 
+async def give_back_storing(held: Lease, keys: list[str], args: list[Arg]) -> bool | None:
+    """Stop renewing a lease of ``once()`` and, in one owner-checked step, store its job's
+    result and delete its key (the STORE script: ``keys``, and ``args`` after the
+    lease's value), shielded, every exchange within ``release_timeout``. No waiter is
+    handed the key: a release's notification wakes them, to find the result.
+
+    Returns True if stored; False if the key was not ours (a loss, if that answer proves
+    one: see ``_release``); None if unknown (Redis did not answer: logged, the key expires
+    by its TTL, and a duplicate may then run the job again).
+    """
+    companion = held._companion
+    options = held._options
+    limit = options.release_timeout
+    deadline = companion.loop.time() + limit
+    full = [held._owner(), *args, options.channel, companion.room.origin]
+    runs = 0
+
+    async def store() -> tuple[object, bool]:
+        nonlocal runs
+        runs += 1
+        first = runs == 1
+        try:
+            reply = await STORE(companion.lane, keys, full, deadline)
+        except MaxConnectionsError:  # the caller's pool is full: nothing was sent
+            async with asyncio.timeout_at(deadline):
+                reply = await STORE(companion.overflow(), keys, full)
+        except UNKNOWN_OUTCOME as exc:
+            log.debug("asynclock: storing the result of %r failed (%r), retrying", held.name, exc)
+            first = False
+            async with asyncio.timeout_at(deadline):
+                reply = await STORE(companion.overflow(), keys, full)
+        return reply, first
+
+    try:
+        reply, first = await finish_idempotent(store, limit)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning(
+            "asynclock: the result of %r may not have been stored (%r); its lease expires "
+            "by its TTL, after which a duplicate may run the job again",
+            held.name,
+            exc,
+        )
+        held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
+        return None
+    if reply == 1:
+        held._event(LeaseEventKind.RELEASED)
+        return True
+    if not first:
+        return None  # (the first run may have stored it, and deleted the key)
+    if _proves_loss(held, first) and held._state_active:
+        held._lose(LossReason.NOT_OWNER)
+    return False
+
+
 class _Outcome(enum.Enum):
     """What a release found."""
 
@@ -127,6 +190,7 @@ class _Outcome(enum.Enum):
 async def _release(
     held: Lease,
     *,
+    keep_ms: int,
     first: bool,
     successor: Waiter | None,
     behind: Waiter | None,
@@ -145,7 +209,8 @@ async def _release(
     With a ``successor`` (the head of this client's line for the lock) the HANDOFF script
     gives it the key in the same round trip unless a waiter of another client is
     registered; the successor's lease counts from ``t_offer``, taken before the first send.
-    Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``.
+    Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``. With
+    ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted.
     """
     companion = held._companion
     options = held._options
@@ -155,6 +220,8 @@ async def _release(
         script = RELEASE
         keys = [options.key]
         args: list[Arg] = [held._owner(), options.channel, room.origin]
+        if keep_ms:
+            args.append(keep_ms)
     else:
         script = HANDOFF
         listening = room.listening(options.channel)  # (else our line offers no token)
@@ -169,7 +236,7 @@ async def _release(
             held._owner(),
             successor.token,
             successor.ttl_ms,
-            fence_ttl_ms(successor.ttl_ms),
+            successor.fence_ttl_ms,
             options.channel,
             room.origin,
             "keep" if behind is not None else "drop",

@@ -25,24 +25,27 @@ server has an empty script cache, which is not a lost lease.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Final, cast
 
 from redis.asyncio import Redis
+from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._lane import Lane, encoding_of, exchange
+from ._lane import Lane, encoding_of, exchange, mark_not_sent
 
 __all__ = [
     "ABANDON",
     "ACQUIRE",
+    "ACQUIRE_JOB",
     "HANDOFF",
     "RELEASE",
     "RENEW",
+    "STORE",
     "UNKNOWN_OUTCOME",
     "Arg",
     "Script",
@@ -64,6 +67,8 @@ except ImportError:  # (redis-py without its hiredis extra)
     _pack_command = None
 else:
     _pack_command = cast(Callable[[tuple[Arg, ...]], bytes], _hiredis_pack)
+
+_UNAUTHENTICATED: Final = "Protocol error: unauthenticated"
 
 UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 """Errors after which a command's outcome is unknown: it may or may not have run."""
@@ -127,7 +132,7 @@ class Script:
         deadline: float | None = None,
     ) -> object:
         """Run the script on a client or a client's lane (one round trip, two after a
-        NOSCRIPT). On a lane, every exchange also ends by ``deadline`` (loop time).
+        NOSCRIPT). Every exchange ends by ``deadline`` (loop time), if given.
 
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
@@ -140,6 +145,11 @@ class Script:
             command = ("EVAL", self.source, len(keys), *keys, *args)
             reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, BaseException):
+            if isinstance(reply, ResponseError) and str(reply).startswith(_UNAUTHENTICATED):
+                # (the server refuses a long command before AUTH, and says only this)
+                error = AuthenticationError(f"Authentication required (the server said: {reply})")
+                mark_not_sent(error)
+                raise error from reply
             raise reply
         return reply
 
@@ -148,6 +158,10 @@ async def _send(target: Redis | Lane, packed: bytes, deadline: float | None) -> 
     # (isinstance against Redis is slow: redis-py's client classes derive from a Protocol)
     if isinstance(target, Lane):
         return await target.call(packed, deadline)
+    if deadline is not None:
+        async with asyncio.timeout_at(deadline):
+            (reply,) = await exchange(target, packed, 1)
+        return reply
     (reply,) = await exchange(target, packed, 1)
     return reply
 
@@ -182,8 +196,7 @@ end
 local text = string.format('%d', fence)
 """
 
-ACQUIRE = Script(
-    "acquire",
+_ACQUIRE_SOURCE = (
     """
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
 -- KEYS[4] the lock's waiting hash (see HANDOFF)
@@ -204,6 +217,7 @@ ACQUIRE = Script(
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {-1, 0}
 end
+--[[job-prologue]]
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -240,11 +254,13 @@ local function on_success()
 end
 local current = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ':'
+local suffix = ''
+--[[job-current]]
 if current then
   if string.sub(current, 1, #mine) == mine then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     on_success()
-    return {1, tonumber(string.sub(current, #mine + 1))}
+    return {1, tonumber(string.match(current, '^[^:]*:(%d+)'))}
   end
   if ARGV[4] ~= '' then
     local now = now_ms()
@@ -264,9 +280,67 @@ local t = redis.call('TIME')
 """
     + _MINT_FENCE
     + """redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+redis.call('SET', KEYS[1], mine .. text .. suffix, 'PX', ARGV[2])
 on_success()
 return {1, fence}
+"""
+)
+
+ACQUIRE = Script(
+    "acquire",
+    _ACQUIRE_SOURCE.replace("--[[job-prologue]]\n", "").replace("--[[job-current]]\n", ""),
+)
+
+ACQUIRE_JOB = Script(
+    "acquire_job",
+    _ACQUIRE_SOURCE.replace(
+        "--[[job-prologue]]",
+        """-- (a job of once(): KEYS[5] its result hash {v: payload, f: fingerprint}, ARGV[8]
+-- the caller's fingerprint digest ('' checks nothing), kept in the lease's value as
+-- '<token>:<fence>:<digest>' while the job runs; returns {2, payload} when a result is
+-- stored, {3, the other digest} for a fingerprint that is not the caller's)
+local stored = redis.call('HMGET', KEYS[5], 'v', 'f')
+if stored[1] then
+  if ARGV[8] ~= '' and stored[2] and stored[2] ~= ARGV[8] then
+    return {3, stored[2]}
+  end
+  return {2, stored[1]}
+end""",
+    ).replace(
+        "--[[job-current]]",
+        """if ARGV[8] ~= '' then
+  suffix = ':' .. ARGV[8]
+  local running = current and string.match(current, '^[^:]*:%d+:(.+)$')
+  if running and running ~= ARGV[8] then
+    return {3, running}
+  end
+end""",
+    ),
+)
+
+STORE = Script(
+    "store",
+    """
+-- The end of a successful job of once(): store its result and release the lease in one
+-- owner-checked step (a holder that lost its lease stores nothing).
+-- KEYS[1] lease key, KEYS[2] result hash
+-- ARGV[1] the lease's full value, ARGV[2] the payload, ARGV[3] the result's ttl (ms),
+-- ARGV[4] the fingerprint digest ('' none), ARGV[5] the release channel, ARGV[6] the
+-- releasing client's origin id
+-- returns 1 when stored (the lease deleted, waiters notified), 0 when not ours
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[2], 'v', ARGV[2], 'f', ARGV[4])
+else
+  redis.call('HSET', KEYS[2], 'v', ARGV[2])
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+return 1
 """,
 )
 
@@ -288,10 +362,15 @@ RELEASE = Script(
     """
 -- KEYS[1] lease key
 -- ARGV[1] the lease's full value, ARGV[2] the release channel, ARGV[3] the releasing
--- client's origin id (published, so that client can ignore its own notification)
--- returns 1 when our key was deleted (and waiters notified), 0 when it was not ours
+-- client's origin id (published, so that client can ignore its own notification),
+-- ARGV[4] (optional, hold_at_least) ms to keep the key for, instead of deleting it
+-- returns 1 when our key was deleted or kept (and waiters notified), 0 when not ours
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  if ARGV[4] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  else
+    redis.call('DEL', KEYS[1])
+  end
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 1
 end
@@ -396,7 +475,8 @@ if due then
     + """    redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
     redis.call('HDEL', KEYS[4], due)  -- its client offers its next token anew
     redis.call('SET', KEYS[1], token .. ':' .. text, 'PX', ttl)
-    redis.call('SET', KEYS[2], text, 'PX', math.max(86400000, 10 * tonumber(ttl)))
+    -- (the counter kept as long as for our own successor, and at least the lease)
+    redis.call('SET', KEYS[2], text, 'PX', math.max(tonumber(ARGV[4]), tonumber(ttl)))
     keep_registered()
     redis.call('PUBLISH', ARGV[5] .. ':' .. due,
       ARGV[6] .. ':' .. due .. ':' .. token .. ':' .. text .. ':' .. loop_time)

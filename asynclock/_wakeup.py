@@ -43,7 +43,9 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from ._compat import connection_errors
 from ._lane import encoding_in
+from ._leftovers import forget_connection
 
 __all__ = ["Waiter", "WaitingRoom"]
 
@@ -69,12 +71,13 @@ class Waiter:
     offer and delete such a key (``ABANDON``).
     """
 
-    __slots__ = ("event", "exposed", "grant", "offered", "token", "ttl_ms")
+    __slots__ = ("event", "exposed", "fence_ttl_ms", "grant", "offered", "token", "ttl_ms")
 
-    def __init__(self, token: str = "", ttl_ms: int = 0) -> None:
+    def __init__(self, token: str = "", ttl_ms: int = 0, fence_ttl_ms: int = 0) -> None:
         self.event = asyncio.Event()
         self.token = token
         self.ttl_ms = ttl_ms
+        self.fence_ttl_ms = fence_ttl_ms  # (its lock's fencing counter's retention, ms)
         self.offered = False
         self.exposed = False
         self.grant: tuple[int, float] | None = None
@@ -232,17 +235,23 @@ class WaitingRoom:
 
     # -- the subscription --------------------------------------------------------------
 
-    async def subscribe(self, channel: str) -> bool:
+    async def subscribe(self, channel: str, deadline: float | None = None) -> bool:
         """Subscribe to ``channel`` and to our grant channel for its lock, and wait
-        (bounded) until Redis confirmed both.
+        (bounded, and no later than loop time ``deadline`` if given) until Redis
+        confirmed both.
 
         Returns False when the subscription could not be confirmed; the caller then relies
         on its PTTL fallback. Never raises for a Redis or network failure.
         """
         if channel in self._confirmed:
             return True
+        limit = _SUBSCRIBE_LIMIT
+        if deadline is not None:
+            limit = min(limit, deadline - asyncio.get_running_loop().time())
+            if limit <= 0:
+                return False
         try:
-            await self._ensure_reader()
+            await self._ensure_reader(limit)
             if not self._healthy:
                 return False
             future = self._pending.get(channel)
@@ -259,7 +268,7 @@ class WaitingRoom:
                     await self._command("UNSUBSCRIBE", self._both(stale))
                 self._subscribed.add(channel)
                 await self._command("SUBSCRIBE", self._both((channel,)))
-            async with asyncio.timeout(_SUBSCRIBE_LIMIT):
+            async with asyncio.timeout(limit):
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
             log.debug("asynclock: subscription to %s not confirmed: %r", channel, exc)
@@ -272,9 +281,10 @@ class WaitingRoom:
         for name in names:
             inflight[name] = inflight.get(name, 0) + 1
             self._acked.discard(name)
-        await self._connection.send_command(command, *names)
+        with connection_errors():  # (a dropped connection, on some Pythons: _compat)
+            await self._connection.send_command(command, *names)
 
-    async def _ensure_reader(self) -> None:
+    async def _ensure_reader(self, limit: float = _SUBSCRIBE_LIMIT) -> None:
         if self._reader is not None:
             return
         async with self._starting:
@@ -282,7 +292,7 @@ class WaitingRoom:
                 return
             connection = self._connection_class(**self._settings)
             try:
-                async with asyncio.timeout(_SUBSCRIBE_LIMIT):
+                async with asyncio.timeout(limit):
                     await connection.connect()
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -301,24 +311,25 @@ class WaitingRoom:
         self._heard = loop.time()
         while True:
             try:
-                if not self._healthy:
-                    await self._connection.connect()
+                with connection_errors():  # (a dropped connection: _compat)
+                    if not self._healthy:
+                        await self._connection.connect()
+                        self._heard = loop.time()
+                        pinged = False
+                        if self._subscribed:
+                            await self._command("SUBSCRIBE", self._both(self._subscribed))
+                        self._healthy = True
+                    reply = await self._connection.read_response(timeout=_HEARTBEAT)
+                    if reply is None:  # silence for _HEARTBEAT seconds
+                        if pinged:
+                            raise RedisConnectionError("the subscription did not answer a PING")
+                        if self._lines:  # (nobody waits: silence is fine)
+                            await self._connection.send_command("PING")
+                            pinged = True
+                        continue
                     self._heard = loop.time()
                     pinged = False
-                    if self._subscribed:
-                        await self._command("SUBSCRIBE", self._both(self._subscribed))
-                    self._healthy = True
-                reply = await self._connection.read_response(timeout=_HEARTBEAT)
-                if reply is None:  # silence for _HEARTBEAT seconds
-                    if pinged:
-                        raise RedisConnectionError("the subscription did not answer a PING")
-                    if self._lines:  # (nobody waits: silence is fine)
-                        await self._connection.send_command("PING")
-                        pinged = True
-                    continue
-                self._heard = loop.time()
-                pinged = False
-                backoff = 0.05
+                    backoff = 0.05
             except (RedisError, OSError) as exc:
                 log.debug("asynclock: wake-up subscription broken: %r", exc)
                 self._healthy = False
@@ -417,6 +428,14 @@ class WaitingRoom:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def forget(self) -> None:
+        """This room's loop has closed: drop its subscription connection without that
+        loop (see ``_leftovers``)."""
+        connection, self._connection = self._connection, None
+        self._reader = None
+        if connection is not None:
+            forget_connection(connection)
 
     async def aclose(self) -> None:
         """Stop listening and close the subscription connection, unless a waiter came

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Final
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
+from ._compat import connection_errors
 from ._exceptions import LossReason
 from ._lane import exchange
 from ._scripts import RENEW, pack_args
@@ -229,7 +230,8 @@ class Watchdog:
             replies = await exchange(client, packed, len(batch))
             if any(isinstance(r, NoScriptError) for r in replies):
                 # A restarted or failed-over server forgot the script: load it, send again.
-                await client.script_load(RENEW.source)
+                with connection_errors():  # (a dropped connection, on some Pythons)
+                    await client.script_load(RENEW.source)
                 t_send = loop.time()
                 replies = await exchange(client, packed, len(batch))
         return t_send, replies

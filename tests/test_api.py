@@ -17,6 +17,7 @@ def test_public_names_are_pinned() -> None:
     assert set(asynclock.__all__) == {
         "AcquireTimeout",
         "EventHook",
+        "IdempotencyConflict",
         "Lease",
         "LeaseContext",
         "LeaseEvent",
@@ -27,8 +28,13 @@ def test_public_names_are_pinned() -> None:
         "LockError",
         "LockLost",
         "LossReason",
+        "Serializer",
         "acquire",
+        "every",
+        "forget",
+        "idempotent",
         "lease",
+        "once",
     }
     for name in asynclock.__all__:
         assert getattr(asynclock, name) is not None
@@ -36,8 +42,14 @@ def test_public_names_are_pinned() -> None:
 
 def test_exception_tree() -> None:
     """Every error derives from LockError; AcquireTimeout is also a TimeoutError."""
-    for error in (asynclock.LockLost, asynclock.LockBusy, asynclock.AcquireTimeout):
+    for error in (
+        asynclock.LockLost,
+        asynclock.LockBusy,
+        asynclock.AcquireTimeout,
+        asynclock.IdempotencyConflict,
+    ):
         assert issubclass(error, asynclock.LockError)
+    assert issubclass(asynclock.IdempotencyConflict, ValueError)
     assert issubclass(asynclock.AcquireTimeout, TimeoutError)
     assert asynclock.LockLost.__module__ == "asynclock"
 

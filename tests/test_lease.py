@@ -439,10 +439,14 @@ async def test_tasks_in_one_process_exclude_each_other(client: Redis, prefix: st
 
 async def test_one_contender_cannot_release_the_other(client: Redis, prefix: str):
     """12: a contender that timed out leaves the holder's key alone."""
+
+    async def contend() -> None:
+        async with asynclock.lease(client, "mine", ttl=5, prefix=prefix, blocking_timeout=0.2):
+            pass
+
     async with asynclock.lease(client, "mine", ttl=5, prefix=prefix) as holder:
         with pytest.raises(asynclock.AcquireTimeout):
-            async with asynclock.lease(client, "mine", ttl=5, prefix=prefix, blocking_timeout=0.2):
-                pass
+            await asyncio.create_task(contend())  # (another task: this one holds it)
         assert text(await client.get(holder.key)) == f"{holder.token}:{holder.fencing_token}"
         assert await holder.is_held(verify=True)
 

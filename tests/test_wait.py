@@ -119,11 +119,15 @@ async def test_waiting_does_not_poll(private_server: RedisServer, prefix: str):
 
 async def test_blocking_timeout_raises_acquire_timeout(client: Redis, prefix: str):
     """11: blocking_timeout gives AcquireTimeout, which is also a TimeoutError."""
+
+    async def contend() -> None:  # (in a task of its own: this one holds the lock)
+        async with asynclock.lease(client, "busy", ttl=30, prefix=prefix, blocking_timeout=0.3):
+            pass
+
     async with asynclock.lease(client, "busy", ttl=30, prefix=prefix) as holder:
         started = time.monotonic()
         with pytest.raises(TimeoutError) as caught:
-            async with asynclock.lease(client, "busy", ttl=30, prefix=prefix, blocking_timeout=0.3):
-                pass
+            await asyncio.create_task(contend())
         assert isinstance(caught.value, asynclock.AcquireTimeout)
         assert 0.3 <= time.monotonic() - started < 2.0
         assert await holder.is_held(verify=True)
@@ -133,17 +137,21 @@ async def test_blocking_timeout_raises_acquire_timeout(client: Redis, prefix: st
 @pytest.mark.parametrize("how", ["asyncio.timeout", "anyio.fail_after"])
 async def test_callers_own_timeout_works(client: Redis, prefix: str, how: str):
     """11: the caller's asyncio.timeout / anyio.fail_after end a wait, leaving nothing."""
+
+    async def contend() -> None:  # (in a task of its own: this one holds the lock)
+        if how == "asyncio.timeout":
+            async with asyncio.timeout(0.3):
+                async with asynclock.lease(client, "waited", ttl=30, prefix=prefix):
+                    pass
+        else:
+            with anyio.fail_after(0.3):
+                async with asynclock.lease(client, "waited", ttl=30, prefix=prefix):
+                    pass
+
     async with asynclock.lease(client, "waited", ttl=30, prefix=prefix) as holder:
         started = time.monotonic()
         with pytest.raises(TimeoutError):
-            if how == "asyncio.timeout":
-                async with asyncio.timeout(0.3):
-                    async with asynclock.lease(client, "waited", ttl=30, prefix=prefix):
-                        pass
-            else:
-                with anyio.fail_after(0.3):
-                    async with asynclock.lease(client, "waited", ttl=30, prefix=prefix):
-                        pass
+            await asyncio.create_task(contend())
         assert time.monotonic() - started < 2.0
         assert await holder.is_held(verify=True)
     assert not companion_for(client).room._lines

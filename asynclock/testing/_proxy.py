@@ -241,7 +241,9 @@ class _Pair:
         if side is self.client:
             # Read nothing from the client until the server connection exists.
             self.up.update_reading()
-            if self.proxy.refuse_new:
+            # (a pair reset between its accept and this call is no longer tracked: reset
+            # this side too, or its connection would live on unseen)
+            if self.proxy.refuse_new or self._closing:
                 self.refused = True
                 self.abort()
                 return
