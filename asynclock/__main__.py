@@ -1,16 +1,23 @@
-"""Command line of asynclock: ``python -m asynclock demo [--url URL] [--workers N] ...``.
+"""Command line of asynclock (the ``asynclock`` console script, or ``python -m asynclock``).
 
-The only subcommand, ``demo``, runs worker processes that compete for one lease while the
-demo kills a holder and deletes the lease key from outside; see ``asynclock._demo``.
+- ``asynclock run NAME [--url URL] [--ttl S] [--hold-at-least S] [--wait S] -- CMD ARGS...``
+  runs a command under a lease (see ``asynclock._runner``): a ``crontab`` line on every
+  machine, of which one runs the command.
+- ``asynclock demo`` runs worker processes that compete for one lease while the demo kills
+  a holder and deletes the lease key from outside; see ``asynclock._demo``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 from collections.abc import Sequence
 
-from ._demo import DemoConfig, run_demo
+from redis.asyncio import Redis
+
+from ._context import lease
 
 
 def _positive_float(text: str) -> float:
@@ -23,12 +30,89 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    """A number of seconds, 0 allowed."""
+    if text.strip() == "0":
+        return 0.0
+    return _positive_float(text)
+
+
+_RUN_EPILOG = """\
+exit status: the command's (128 + N if it died of signal N); --busy-exit (0) when another
+holder has the lock (or --wait ran out); 75 when the lease was lost and the command was
+stopped (SIGTERM, then SIGKILL after --grace, before the lease's safe deadline); 69 when
+Redis could not be reached; 2 for bad usage; 126/127 when the command cannot be run.
+"""
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = commands.add_parser(
+        "run",
+        help="run a command under a lease (one machine of many runs it)",
+        description=(
+            "Take the lease NAME and run CMD under it, exiting with its status. Put the "
+            "same line in the crontab of every machine: one of them runs the command. "
+            "If the lease is lost, the command is stopped before another holder could "
+            "take the lock."
+        ),
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s NAME [options] -- CMD [ARGS...]",
+    )
+    run.add_argument("name", metavar="NAME", help="the lock's name")
+    run.add_argument(
+        "--url",
+        default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"),
+        help="the Redis server (default: $REDIS_URL, else redis://localhost:6379/0)",
+    )
+    run.add_argument(
+        "--ttl",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="the lease's time to live, renewed every ttl/3 (default 30)",
+    )
+    run.add_argument(
+        "--hold-at-least",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="keep the lock taken at least S seconds after it was acquired, even if the "
+        "command ends sooner, so a machine whose clock is late by less finds it taken",
+    )
+    run.add_argument(
+        "--wait",
+        type=_seconds,
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds for the lock (default 0: do not wait)",
+    )
+    run.add_argument(
+        "--grace",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when the command must stop "
+        "(default ttl/6, at most 10)",
+    )
+    run.add_argument(
+        "--busy-exit",
+        type=int,
+        default=0,
+        metavar="CODE",
+        help="exit status when another holder has the lock (default 0)",
+    )
+    run.add_argument("--prefix", default="asynclock:", help="key prefix (default asynclock:)")
+    run.set_defaults(run_parser=run)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m asynclock",
+        prog="asynclock",
         description="asynclock: distributed leases on Redis for asyncio.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+    _add_run(commands)
     demo = commands.add_parser(
         "demo",
         help="worker processes compete for one lease; a holder is killed, a key deleted",
@@ -67,9 +151,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run(args: argparse.Namespace, command: list[str]) -> int:
+    from ._runner import RunConfig, run_command
+
+    parser: argparse.ArgumentParser = args.run_parser
+    if not command:
+        parser.error("run: give the command after --, e.g. asynclock run NAME -- make report")
+    if not args.name:
+        parser.error("run: NAME must not be empty")
+    if args.grace is not None and args.grace >= args.ttl / 3:
+        parser.error(
+            "run: --grace must be shorter than ttl/3 (the command is stopped "
+            "between a failing renewal and the lease's safe deadline)"
+        )
+    if not 0 <= args.busy_exit <= 255:
+        parser.error("run: --busy-exit must be between 0 and 255")
+    config = RunConfig(
+        name=args.name,
+        command=command,
+        url=args.url,
+        ttl=args.ttl,
+        hold_at_least=args.hold_at_least,
+        wait=args.wait,
+        grace=args.grace,
+        busy_exit=args.busy_exit,
+        prefix=args.prefix,
+    )
+    try:  # (checked before any I/O: a bad name or prefix is a usage error)
+        lease(Redis(), config.name, ttl=config.ttl, prefix=config.prefix)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"run: {exc}")
+    return asyncio.run(run_command(config))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv[:1] == ["run"] and "--" in argv:  # (what follows -- is the command's)
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
     args = parser.parse_args(argv)
+    if args.subcommand == "run":
+        return _run(args, command)
     if args.workers < 2:
         parser.error("--workers must be at least 2 (someone has to take over)")
     if args.workers > 32:
@@ -80,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--seconds must be at least 6 x ttl ({6 * args.ttl:g}s) for the scenario")
     if not args.name:
         parser.error("--name must not be empty")
+    from ._demo import DemoConfig, run_demo
+
     config = DemoConfig(
         url=args.url,
         workers=args.workers,
@@ -87,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ttl=args.ttl,
         name=args.name,
     )
-    return run_demo(config)
+    return run_demo(config)  # (imported here: the demo's machinery is not run's)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""``asynclock run NAME -- CMD ARGS...``: run a command under a lease, for ``crontab``
+entries on every machine.
+
+Design note. The command runs as a child process while the lease is held. Its exit
+status becomes ours. If the lock is busy the command is not run (exit ``--busy-exit``,
+0 by default: another machine has this run). The child must be gone before another
+holder could take the lock, so it is stopped ahead of the lease's safe deadline: while
+renewals fail (SUSPECT), it gets SIGTERM ``grace + margin`` seconds before that deadline
+and SIGKILL ``margin`` seconds before it; once the lease is lost outright (the key is not
+ours any more) both come at once, the second after ``grace``. SIGTERM and SIGINT sent to
+us are passed on to the child, whose status we then return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import anyio
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from ._context import lease
+from ._events import LeaseEvent
+from ._exceptions import AcquireTimeout, LockBusy, LockLost
+from ._lease import Lease, LeaseState
+
+__all__ = ["EXIT_LOST", "EXIT_UNAVAILABLE", "RunConfig", "run_command"]
+
+EXIT_LOST: Final = 75
+"""Exit status when the lease was lost and the command was stopped (EX_TEMPFAIL)."""
+
+EXIT_UNAVAILABLE: Final = 69
+"""Exit status when Redis could not be reached or refused us (EX_UNAVAILABLE)."""
+
+_MARGIN: Final = 0.1  # seconds before the safe deadline by which the child is killed
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What ``asynclock run`` was asked to do. Times in seconds."""
+
+    name: str
+    command: Sequence[str]
+    url: str
+    ttl: float = 30.0
+    hold_at_least: float | None = None
+    wait: float = 0.0
+    grace: float | None = None
+    busy_exit: int = 0
+    prefix: str = "asynclock:"
+
+    @property
+    def kill_grace(self) -> float:
+        """Seconds between SIGTERM and SIGKILL: ``grace``, or ttl / 6 (at most 10)."""
+        return self.grace if self.grace is not None else min(10.0, self.ttl / 6)
+
+
+def _say(message: str) -> None:
+    print(f"asynclock run: {message}", file=sys.stderr, flush=True)
+
+
+def _status(returncode: int) -> int:
+    """A child's return code as a shell reports it (128 + N for signal N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+async def run_command(config: RunConfig) -> int:
+    """Run ``config.command`` under the lease ``config.name``; returns the exit status
+    (the command's, ``busy_exit``, ``EXIT_LOST`` or ``EXIT_UNAVAILABLE``)."""
+    changed = asyncio.Event()  # set at every renewal, failed renewal and loss
+
+    def on_event(_event: LeaseEvent) -> None:
+        changed.set()
+
+    redis = Redis.from_url(config.url)
+    try:
+        async with lease(
+            redis,
+            config.name,
+            ttl=config.ttl,
+            blocking=config.wait > 0,
+            blocking_timeout=config.wait if config.wait > 0 else None,
+            hold_at_least=config.hold_at_least,
+            prefix=config.prefix,
+            on_event=on_event,
+        ) as held:
+            return await _supervise(config, held, changed)
+    except (LockBusy, AcquireTimeout):
+        _say(f"{config.name!r} is held by another holder; not running the command")
+        return config.busy_exit
+    except LockLost as lost:
+        _say(f"the lease {config.name!r} was lost ({lost.reason}); the command was stopped")
+        return EXIT_LOST
+    except (RedisError, OSError) as exc:
+        _say(f"could not reach Redis at {_safe_url(config.url)}: {exc}")
+        return EXIT_UNAVAILABLE
+    finally:
+        with contextlib.suppress(Exception):
+            await redis.aclose()
+
+
+async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> int:
+    """Start the child and wait for it; stop it ahead of the lease's safe deadline."""
+    try:
+        child = await asyncio.create_subprocess_exec(*config.command)
+    except OSError as exc:
+        _say(f"cannot run {config.command[0]!r}: {exc}")
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    loop = asyncio.get_running_loop()
+    forwarded = _forward_signals(loop, child)
+    grace = config.kill_grace
+    try:
+        exited = asyncio.ensure_future(child.wait())
+        while not exited.done():
+            changed.clear()
+            if held.state is LeaseState.SUSPECT:
+                # Renewals fail: the child must be gone before the safe deadline.
+                term_at = held.safe_until - grace - _MARGIN
+                if loop.time() >= term_at:
+                    _say(
+                        f"renewals of the lease {config.name!r} are failing; stopping the "
+                        "command before the lease's safe deadline"
+                    )
+                    await _stop(child, exited, grace)
+                    return EXIT_LOST
+                wait_for = term_at - loop.time()
+            else:
+                wait_for = None
+            notice = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait({exited, notice}, timeout=wait_for)
+            finally:
+                notice.cancel()
+        return _status(await exited)
+    except asyncio.CancelledError:
+        # The lease was lost (LockLost follows) or we were cancelled: stop the child
+        # first, shielded, within the grace.
+        with anyio.CancelScope(shield=True):
+            await _stop(child, asyncio.ensure_future(child.wait()), grace)
+        raise
+    finally:
+        for signum in forwarded:
+            loop.remove_signal_handler(signum)
+
+
+async def _stop(
+    child: asyncio.subprocess.Process, exited: asyncio.Future[int], grace: float
+) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds if the child is still running."""
+    if child.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        child.terminate()
+    done, _ = await asyncio.wait({exited}, timeout=grace)
+    if not done:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        await exited
+
+
+def _forward_signals(
+    loop: asyncio.AbstractEventLoop, child: asyncio.subprocess.Process
+) -> list[int]:
+    """Pass SIGTERM and SIGINT on to the child (its status is then ours)."""
+    forwarded: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, _send, child, signum)
+        except (NotImplementedError, RuntimeError):  # (not the main thread, not POSIX)
+            continue
+        forwarded.append(signum)
+    return forwarded
+
+
+def _send(child: asyncio.subprocess.Process, signum: int) -> None:
+    if child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+
+def _safe_url(url: str) -> str:
+    """``url`` without its password."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = credentials.partition(":")[0]
+    return f"{scheme}://{user + ':***' if user else '***'}@{host}"

@@ -1,0 +1,184 @@
+"""``every()``: once per tick across servers whose clocks disagree (issue 18, B)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock.testing import ServerInfo
+
+_SERVER = """
+import asyncio, sys, time
+import time_machine
+import redis.asyncio as aioredis
+import asynclock
+
+url, prefix, skew, period, marker = sys.argv[1:6]
+
+async def job(who):
+    now = time.time()
+    with open(marker, "a") as f:
+        f.write(f"{round(now / float(period))} {who}\\n")
+    await asyncio.sleep(0.05)
+
+async def main():
+    client = aioredis.Redis.from_url(url)
+    await asynclock.every(client, "report", float(period), job, skew, prefix=prefix)
+
+# This server's wall clock is off by `skew` seconds (its event loop's clock is not).
+with time_machine.travel(time.time() + float(skew), tick=True):
+    asyncio.run(main())
+"""
+
+
+def test_one_run_per_tick_across_skewed_servers(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """Three server processes, clocks -0.6, 0 and +0.6 s off, a 2 s period and a 50 ms
+    job: every tick runs exactly once (the old blocking=False recipe ran it up to three
+    times)."""
+    marker = tmp_path / "runs"
+    period = 2.0
+    servers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _SERVER,
+                redis_server.url,
+                prefix,
+                skew,
+                str(period),
+                str(marker),
+            ],
+            stderr=subprocess.PIPE,
+        )
+        for skew in ("-0.6", "0", "0.6")
+    ]
+    try:
+        deadline = time.monotonic() + 4 * period + 3
+        while time.monotonic() < deadline:
+            if marker.exists() and len(marker.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        time.sleep(period / 2)  # (a late server's firing of the last tick, if any)
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.communicate(timeout=10)
+    runs = [line.split() for line in marker.read_text().splitlines()]
+    ticks = [tick for tick, _ in runs]
+    assert len(ticks) >= 3
+    assert len(ticks) == len(set(ticks)), runs  # (no tick ran twice)
+
+
+async def test_overlapping_runs_are_skipped_and_logged(
+    client: Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run longer than the period: the ticks during it are skipped (on another server,
+    whose clock agrees), with a warning; missed ticks are not caught up."""
+    runs: list[float] = []
+    running = asyncio.Event()
+
+    async def slow() -> None:
+        runs.append(time.monotonic())
+        running.set()
+        await asyncio.sleep(0.8)
+
+    async def nothing() -> None:
+        runs.append(-1.0)
+
+    caplog.set_level(logging.WARNING, logger="asynclock")
+    first = asyncio.create_task(asynclock.every(client, "slow", 0.5, slow, prefix=prefix))
+    await running.wait()
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(asynclock.every(client, "slow", 0.5, nothing, prefix=prefix))
+    await asyncio.sleep(0.6)
+    for task in (first, second):
+        task.cancel()
+    for task in (first, second):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert -1.0 not in runs  # (the second server never ran while the first one ran)
+    assert any("previous run is still going on" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_failing_run_is_logged_and_the_schedule_goes_on(
+    client: Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = 0
+    twice = asyncio.Event()
+
+    async def failing() -> None:
+        nonlocal calls
+        calls += 1
+        if calls >= 2:
+            twice.set()
+        raise RuntimeError("boom")
+
+    caplog.set_level(logging.ERROR, logger="asynclock")
+    task = asyncio.create_task(asynclock.every(client, "fails", 0.2, failing, prefix=prefix))
+    await asyncio.wait_for(twice.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert any("failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+async def test_cancelling_a_run_releases_the_lease(client: Redis, prefix: str) -> None:
+    started = asyncio.Event()
+
+    async def long() -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    task = asyncio.create_task(asynclock.every(client, "cancel", 0.1, long, prefix=prefix))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not await client.exists(f"{prefix}{{cancel}}")
+
+
+async def test_cron_ticks(client: Redis, prefix: str) -> None:
+    """A cron expression (every minute) instead of a period: the first tick is the next
+    whole minute, UTC."""
+    from asynclock._every import _ticks
+
+    ticks = _ticks(None, 0.0, "* * * * *")
+    tick, gap = ticks(120.5)
+    assert (tick, gap) == (180.0, 60.0)
+    assert _ticks(10, 3, None)(25.0) == (33.0, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"period": None}, ValueError, "period must be given"),
+        ({"period": 0}, ValueError, "period"),
+        ({"period": 1, "cron": "* * * * *"}, ValueError, "not both"),
+        ({"period": None, "cron": "not cron"}, ValueError, "cron"),
+        ({"period": 1, "ttl": 0.001}, ValueError, "ttl"),
+        ({"period": 1, "name": ""}, ValueError, "name"),
+        ({"period": 1, "func": 3}, TypeError, "func"),
+    ],
+)
+async def test_bad_input_before_any_io(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    client = Redis(host="127.0.0.1", port=1)
+    arguments: dict[str, Any] = {"name": "x", "func": asyncio.sleep, **kwargs}
+    name, period, func = arguments.pop("name"), arguments.pop("period"), arguments.pop("func")
+    with pytest.raises(error, match=match):
+        await asynclock.every(client, name, period, func, **arguments)
+    await client.aclose()

@@ -1,0 +1,351 @@
+"""``once()``: a job runs once; duplicates wait and receive its result (issue 18, A)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import Monitor
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock.testing import RedisServer, ServerInfo
+
+# -- in one process -------------------------------------------------------------------------
+
+
+class Counter:
+    """A job that counts its runs and returns its argument (after ``delay`` seconds)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls = 0
+        self.delay = delay
+        self.started = asyncio.Event()
+
+    async def __call__(self, value: Any) -> Any:
+        self.calls += 1
+        self.started.set()
+        await asyncio.sleep(self.delay)
+        return {"value": value, "run": self.calls}
+
+
+async def test_duplicates_wait_and_receive_the_first_result(client: Redis, prefix: str) -> None:
+    """Five concurrent calls: one run, five equal results; later calls get it cached;
+    only the result and the fence counter are left."""
+    job = Counter(delay=0.2)
+    results = await asyncio.gather(
+        *(asynclock.once(client, "job", job, 7, prefix=prefix) for _ in range(5))
+    )
+    assert job.calls == 1
+    assert results == [{"value": 7, "run": 1}] * 5
+    assert await asynclock.once(client, "job", job, 8, prefix=prefix) == {"value": 7, "run": 1}
+    assert job.calls == 1
+    keys = sorted(
+        k.decode() if isinstance(k, bytes) else k for k in await client.keys(prefix + "*")
+    )
+    assert keys == [f"{prefix}{{job}}:fence", f"{prefix}{{job}}:result"]
+
+
+async def test_a_stored_result_costs_one_round_trip(
+    redis: Redis, redis_server: ServerInfo, prefix: str
+) -> None:
+    """A hit: one command (the acquire-job script), func not called."""
+    job = Counter()
+    await asynclock.once(redis, "hit", job, 1, prefix=prefix)
+    await asynclock.once(redis, "hit", job, 1, prefix=prefix)  # (scripts loaded, warm)
+    async with Monitor(redis_server.url) as monitor:
+        start = await monitor.mark()
+        assert await asynclock.once(redis, "hit", job, 1, prefix=prefix) == {"value": 1, "run": 1}
+        end = await monitor.mark()
+        assert [c.lower() for c in monitor.client_commands(start, end)] == ["evalsha"]
+    assert job.calls == 1
+
+
+async def test_waiters_are_woken_when_the_result_is_stored(client: Redis, prefix: str) -> None:
+    """A duplicate returns right after the result is stored, not at the lease's expiry."""
+    job = Counter(delay=0.3)
+    holder = asyncio.create_task(asynclock.once(client, "wake", job, 1, ttl=30, prefix=prefix))
+    await job.started.wait()
+    started = time.monotonic()
+    assert await asynclock.once(client, "wake", job, 2, ttl=30, prefix=prefix) == {
+        "value": 1,
+        "run": 1,
+    }
+    assert time.monotonic() - started < 2.0
+    await holder
+
+
+async def test_a_failure_is_not_cached_and_a_duplicate_takes_over(
+    client: Redis, prefix: str
+) -> None:
+    """func raises: its caller gets the error, nothing is stored, a waiting duplicate
+    runs func (and succeeds)."""
+    calls = 0
+    started = asyncio.Event()
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        started.set()
+        await asyncio.sleep(0.1)
+        if calls == 1:
+            raise RuntimeError("first try fails")
+        return "ok"
+
+    first = asyncio.create_task(asynclock.once(client, "flaky", flaky, prefix=prefix))
+    await started.wait()
+    second = asyncio.create_task(asynclock.once(client, "flaky", flaky, prefix=prefix))
+    with pytest.raises(RuntimeError, match="first try fails"):
+        await first
+    assert await asyncio.wait_for(second, 5) == "ok"
+    assert calls == 2
+
+
+async def test_fingerprint_conflicts(client: Redis, prefix: str) -> None:
+    """Another fingerprint for the same key, while running or after: IdempotencyConflict
+    (a ValueError), func not called; the same fingerprint gets the result."""
+    job = Counter(delay=0.3)
+    running = asyncio.create_task(
+        asynclock.once(client, "fp", job, 1, fingerprint=b"payload-1", prefix=prefix)
+    )
+    await job.started.wait()
+    with pytest.raises(asynclock.IdempotencyConflict):
+        await asynclock.once(client, "fp", job, 2, fingerprint="payload-2", prefix=prefix)
+    await running
+    with pytest.raises(ValueError, match="another fingerprint"):
+        await asynclock.once(client, "fp", job, 2, fingerprint="payload-2", prefix=prefix)
+    same = await asynclock.once(client, "fp", job, 3, fingerprint=b"payload-1", prefix=prefix)
+    assert same == {"value": 1, "run": 1}
+    unchecked = await asynclock.once(client, "fp", job, 3, prefix=prefix)
+    assert unchecked == same
+    assert job.calls == 1
+
+
+async def test_an_unserializable_result_stores_nothing(client: Redis, prefix: str) -> None:
+    """TypeError in the caller that ran func; nothing stored, no lease key left."""
+
+    async def unserializable() -> object:
+        return {1, 2}
+
+    with pytest.raises(TypeError, match="cannot be serialized"):
+        await asynclock.once(client, "bad", unserializable, prefix=prefix)
+    assert not await client.exists(f"{prefix}{{bad}}", f"{prefix}{{bad}}:result")
+
+
+async def test_a_serializer_of_ones_own(client: Redis, prefix: str) -> None:
+    class Reversed:
+        def dumps(self, obj: Any) -> bytes:
+            return str(obj)[::-1].encode()
+
+        def loads(self, data: bytes) -> Any:
+            return data.decode()[::-1]
+
+    async def job() -> str:
+        return "abc"
+
+    assert await asynclock.once(client, "s", job, serializer=Reversed(), prefix=prefix) == "abc"
+    assert await asynclock.once(client, "s", job, serializer=Reversed(), prefix=prefix) == "abc"
+    assert await client.hget(f"{prefix}{{s}}:result", "v") in (b"cba", "cba")
+
+
+async def test_cancelling_the_runner_stores_nothing(client: Redis, prefix: str) -> None:
+    """The caller running func is cancelled mid-flight: func is cancelled, the lease
+    given back, nothing stored; a waiting duplicate runs it."""
+    job = Counter(delay=30)
+    runner = asyncio.create_task(asynclock.once(client, "cancel", job, 1, prefix=prefix))
+    await job.started.wait()
+    job.delay = 0.0
+    duplicate = asyncio.create_task(asynclock.once(client, "cancel", job, 2, prefix=prefix))
+    await asyncio.sleep(0.05)
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+    assert await asyncio.wait_for(duplicate, 5) == {"value": 2, "run": 2}
+
+
+async def test_cancelling_a_waiter_leaves_nothing(client: Redis, prefix: str) -> None:
+    """A waiting duplicate is cancelled: the job goes on, and only its result and the
+    fence counter are left."""
+    job = Counter(delay=0.3)
+    runner = asyncio.create_task(asynclock.once(client, "wcancel", job, 1, prefix=prefix))
+    await job.started.wait()
+    waiter = asyncio.create_task(asynclock.once(client, "wcancel", job, 2, prefix=prefix))
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert await runner == {"value": 1, "run": 1}
+    names = {k.decode() if isinstance(k, bytes) else k for k in await client.keys(prefix + "*")}
+    tombstones = {name for name in names if ":void:" in name}  # (the cancelled wait's)
+    assert names - tombstones == {f"{prefix}{{wcancel}}:result", f"{prefix}{{wcancel}}:fence"}
+    for name in tombstones:
+        assert 0 < await client.pttl(name) <= 90_000  # (3 x ttl: it expires by itself)
+
+
+async def test_blocking_timeout(client: Redis, prefix: str) -> None:
+    job = Counter(delay=1.0)
+    runner = asyncio.create_task(asynclock.once(client, "slow", job, 1, prefix=prefix))
+    await job.started.wait()
+    with pytest.raises(asynclock.AcquireTimeout):
+        await asynclock.once(client, "slow", job, 2, blocking_timeout=0.2, prefix=prefix)
+    await runner
+
+
+async def test_idempotent_and_forget(client: Redis, prefix: str) -> None:
+    """The decorator keys each call by its arguments; forget() lets a job run again."""
+    charges: list[tuple[int, int]] = []
+
+    @asynclock.idempotent(client, key=lambda order, cents: f"charge:{order}", prefix=prefix)
+    async def charge(order: int, cents: int) -> int:
+        charges.append((order, cents))
+        return cents
+
+    assert await charge(1, cents=500) == 500
+    assert await charge(1, cents=500) == 500
+    assert await charge(2, 700) == 700
+    assert charges == [(1, 500), (2, 700)]
+    assert await asynclock.forget(client, "charge:1", prefix=prefix)
+    assert not await asynclock.forget(client, "charge:1", prefix=prefix)
+    assert await charge(1, cents=500) == 500
+    assert charges == [(1, 500), (2, 700), (1, 500)]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda r, j: asynclock.once(r, "", j), ValueError, "name"),
+        (lambda r, j: asynclock.once(r, "}x", j), ValueError, "hash tag"),
+        (lambda r, j: asynclock.once(r, "k", j, ttl=0), ValueError, "ttl"),
+        (lambda r, j: asynclock.once(r, "k", j, result_ttl=-1), ValueError, "result_ttl"),
+        (lambda r, j: asynclock.once(r, "k", j, fingerprint=3), TypeError, "fingerprint"),
+        (lambda r, j: asynclock.once(r, "k", j, serializer=object()), TypeError, "serializer"),
+        (lambda r, j: asynclock.once(r, "k", "not callable"), TypeError, "func"),
+        (lambda r, j: asynclock.forget(r, ""), ValueError, "name"),
+    ],
+)
+async def test_bad_input_before_any_io(
+    call: Callable[..., Any], error: type[Exception], match: str
+) -> None:
+    client = Redis(host="127.0.0.1", port=1)  # (nothing listens: any I/O would fail)
+    with pytest.raises(error, match=match):
+        await call(client, Counter())
+    with pytest.raises(TypeError, match="key"):
+        asynclock.idempotent(client, key="not callable")  # type: ignore[arg-type]
+    await client.aclose()
+
+
+# -- across processes ------------------------------------------------------------------------
+
+_WORKER = """
+import asyncio, json, os, sys, time
+import redis.asyncio as aioredis
+import asynclock
+
+url, prefix, key, delay, ttl, marker = sys.argv[1:7]
+
+async def job(who):
+    with open(marker, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    await asyncio.sleep(float(delay))
+    return {"by": who}
+
+async def main():
+    client = aioredis.Redis.from_url(url)
+    try:
+        result = await asynclock.once(client, key, job, os.getpid(), ttl=float(ttl),
+                                      prefix=prefix)
+        print(json.dumps({"result": result}), flush=True)
+    except asynclock.LockLost as lost:
+        print(json.dumps({"lost": str(lost.reason)}), flush=True)
+    finally:
+        await client.aclose()
+
+asyncio.run(main())
+"""
+
+
+def _worker(url: str, prefix: str, key: str, delay: float, ttl: float, marker: Path) -> Any:
+    return subprocess.Popen(
+        [sys.executable, "-c", _WORKER, url, prefix, key, str(delay), str(ttl), str(marker)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _runs(marker: Path) -> list[str]:
+    return marker.read_text().split() if marker.exists() else []
+
+
+async def _until(predicate: Callable[[], bool], within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_duplicates_across_processes(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """Three processes call once() for one key at once: one run, one result for all."""
+    marker = tmp_path / "runs"
+    workers = [_worker(redis_server.url, prefix, "x", 0.5, 10, marker) for _ in range(3)]
+    outputs = [json.loads(w.communicate(timeout=30)[0]) for w in workers]
+    assert len(_runs(marker)) == 1
+    assert len({json.dumps(o) for o in outputs}) == 1
+    assert outputs[0]["result"]["by"] == int(_runs(marker)[0])
+
+
+async def test_a_killed_holder_is_replaced_within_its_ttl(
+    client: Redis, redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """The holder's process is SIGKILLed mid-job: a duplicate runs the job once the
+    holder's lease expires (within ttl)."""
+    marker = tmp_path / "runs"
+    holder = _worker(redis_server.url, prefix, "k", 30, 1.0, marker)
+    try:
+        await _until(lambda: len(_runs(marker)) == 1)
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate(timeout=5)
+        killed = time.monotonic()
+        result = await asynclock.once(client, "k", Counter(), "dup", prefix=prefix)
+        assert result == {"value": "dup", "run": 1}
+        assert time.monotonic() - killed < 1.0 + 0.5
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.communicate(timeout=5)
+
+
+async def test_a_paused_holder_stores_no_late_result(
+    private_server: RedisServer, make_client: Callable[..., Redis], prefix: str, tmp_path: Path
+) -> None:
+    """The holder is SIGSTOPped past its TTL; a duplicate runs and stores its result;
+    the resumed holder is told LockLost and its result is never stored."""
+    marker = tmp_path / "runs"
+    holder = _worker(private_server.url, prefix, "p", 0.5, 0.6, marker)
+    client = make_client(private_server.url)
+    try:
+        await _until(lambda: len(_runs(marker)) == 1)
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            result = await asynclock.once(client, "p", Counter(), "dup", ttl=5, prefix=prefix)
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        assert result == {"value": "dup", "run": 1}
+        output = json.loads(holder.communicate(timeout=20)[0])
+        assert "lost" in output
+        cached = await asynclock.once(client, "p", Counter(), "again", prefix=prefix)
+        assert cached == {"value": "dup", "run": 1}
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.communicate(timeout=5)

@@ -1,0 +1,217 @@
+"""``asynclock run NAME -- CMD``: a command under a lease, across processes (issue 18, B)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis as SyncRedis
+
+from asynclock.testing import RedisServer, ServerInfo
+
+EXIT_LOST = 75
+
+
+def _run(url: str, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``python -m asynclock run ARGS`` against ``url``."""
+    env = {**os.environ, "REDIS_URL": url}
+    return subprocess.Popen(
+        [sys.executable, "-m", "asynclock", "run", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def _finish(process: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str]:
+    _, err = process.communicate(timeout=timeout)
+    return process.returncode, err
+
+
+def _wait_for(path: Path, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} not written within {timeout}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_runs_the_command_and_exits_with_its_status(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    code, _ = _finish(
+        _run(
+            redis_server.url,
+            f"{prefix}job",
+            "--ttl",
+            "5",
+            "--",
+            sys.executable,
+            "-c",
+            f"open({str(marker)!r}, 'w').write('x'); raise SystemExit(3)",
+        )
+    )
+    assert code == 3
+    assert marker.read_text() == "x"
+    assert SyncRedis.from_url(redis_server.url).exists(f"asynclock:{{{prefix}job}}") == 0
+
+
+@pytest.mark.parametrize("busy_exit", [None, "9"])
+def test_a_busy_lock_runs_nothing(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path, busy_exit: str | None
+) -> None:
+    """Another holder has it: the command is not run; exit 0, or --busy-exit."""
+    started = tmp_path / "started"
+    holder = _run(
+        redis_server.url,
+        f"{prefix}busy",
+        "--ttl",
+        "5",
+        "--",
+        sys.executable,
+        "-c",
+        f"import time; open({str(started)!r}, 'w').write('1'); time.sleep(30)",
+    )
+    try:
+        _wait_for(started)
+        marker = tmp_path / "second"
+        extra = ["--busy-exit", busy_exit] if busy_exit else []
+        code, err = _finish(
+            _run(
+                redis_server.url,
+                f"{prefix}busy",
+                *extra,
+                "--",
+                sys.executable,
+                "-c",
+                f"open({str(marker)!r}, 'w')",
+            )
+        )
+        assert code == (int(busy_exit) if busy_exit else 0)
+        assert "held by another holder" in err
+        assert not marker.exists()
+    finally:
+        holder.send_signal(signal.SIGTERM)  # (passed on to its command)
+        code, _ = _finish(holder)
+    assert code == 128 + signal.SIGTERM
+
+
+def test_a_lost_lease_stops_the_command(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """The key deleted from outside: the command is terminated at the next renewal, and
+    the exit status says the lease was lost."""
+    pid_file = tmp_path / "pid"
+    runner = _run(
+        redis_server.url,
+        f"{prefix}lost",
+        "--ttl",
+        "0.9",
+        "--",
+        sys.executable,
+        "-c",
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+    )
+    pid = int(_wait_for(pid_file))
+    SyncRedis.from_url(redis_server.url).delete(f"asynclock:{{{prefix}lost}}")
+    started = time.monotonic()
+    code, err = _finish(runner)
+    assert code == EXIT_LOST
+    assert "not_owner" in err
+    assert time.monotonic() - started < 3
+    assert not _alive(pid)
+
+
+def test_failing_renewals_stop_the_command_before_the_deadline(
+    private_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """Redis stops answering: the command is gone before the lease could expire (ttl
+    after its last renewal), not after."""
+    pid_file = tmp_path / "pid"
+    ttl = 1.5
+    runner = _run(
+        private_server.url,
+        f"{prefix}silent",
+        "--ttl",
+        str(ttl),
+        "--grace",
+        "0.2",
+        "--",
+        sys.executable,
+        "-c",
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+    )
+    pid = int(_wait_for(pid_file))
+    private_server.pause()
+    paused = time.monotonic()
+    try:
+        while _alive(pid) and time.monotonic() - paused < ttl + 2:
+            time.sleep(0.01)
+        dead_after = time.monotonic() - paused
+    finally:
+        private_server.resume()
+    code, err = _finish(runner)
+    assert code == EXIT_LOST, err
+    assert dead_after < ttl, dead_after  # (the key lives ttl from its last renewal, earlier)
+
+
+def test_once_per_tick_across_processes_with_hold_at_least(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """Three crontab lines firing 0.3 s apart (late clocks), a short command: with
+    --hold-at-least above the skew, exactly one of them runs it."""
+    ran = tmp_path / "ran"
+    runners = []
+    for index in range(3):
+        runners.append(
+            _run(
+                redis_server.url,
+                f"{prefix}tick",
+                "--ttl",
+                "5",
+                "--hold-at-least",
+                "2",
+                "--",
+                sys.executable,
+                "-c",
+                f"open({str(ran)!r}, 'a').write('{index}\\n')",
+            )
+        )
+        time.sleep(0.3)
+    codes = [_finish(runner)[0] for runner in runners]
+    assert codes == [0, 0, 0]
+    assert len(ran.read_text().split()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["name"], "give the command after --"),
+        (["name", "echo"], "unrecognized arguments"),
+        (["}x", "--", "true"], "hash tag"),
+        (["name", "--ttl", "0", "--", "true"], "--ttl"),
+        (["name", "--ttl", "3", "--grace", "2", "--", "true"], "--grace"),
+    ],
+)
+def test_bad_usage_exits_2_before_any_io(args: list[str], message: str) -> None:
+    code, err = _finish(_run("redis://127.0.0.1:1/0", *args))
+    assert code == 2
+    assert message in err
