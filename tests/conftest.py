@@ -24,9 +24,11 @@ import redis.asyncio as aioredis
 
 from asynclock.testing import (
     ExternalServer,
+    PostgresServer,
     RedisServer,
     ServerInfo,
     available_engines,
+    find_postgres_bindir,
     server_version,
 )
 
@@ -181,3 +183,44 @@ def client(
 ) -> aioredis.Redis:
     """A client of ``redis_server`` with ``decode_responses`` False and True."""
     return make_client(redis_server.url, decode_responses=request.param)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """``DATABASE_URL``; else a private PostgreSQL started for the session from local
+    binaries (or the pgserver wheel's); else a testcontainers one where Docker answers."""
+    if os.environ.get("DATABASE_URL"):
+        yield os.environ["DATABASE_URL"]
+        return
+    if find_postgres_bindir() is not None:
+        with PostgresServer() as server:
+            yield server.url
+        return
+    if not _docker_answers():
+        pytest.skip(
+            "no PostgreSQL: install it (initdb, postgres), or pgserver, or set DATABASE_URL"
+        )
+    from testcontainers.postgres import PostgresContainer  # type: ignore[import-untyped]
+
+    with PostgresContainer("postgres:16", driver=None) as container:
+        yield container.get_connection_url()
+
+
+@pytest.fixture
+async def database_url(postgres_url: str) -> AsyncIterator[str]:
+    """A fresh database of this test's own on the session's PostgreSQL (dropped after)."""
+    import asyncpg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres_url)
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+    finally:
+        await admin.close()
+    base, _, _ = postgres_url.rpartition("/")
+    yield f"{base}/{name}"
+    admin = await asyncpg.connect(postgres_url)
+    try:
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    finally:
+        await admin.close()

@@ -7,6 +7,8 @@ failure modes a distributed lease has to survive, and check what happened:
   ``valkey-server`` process on a free loopback port, and can pause (``SIGSTOP``),
   resume, kill, restart it on the same port, and start replicas of it;
   :func:`available_engines`, :func:`find_server_binary`, :func:`resp_command`.
+* **PostgreSQL** -- :class:`PostgresServer` runs a private PostgreSQL cluster on a free
+  loopback port (as the ``postgres`` user when run as root), for fenced effects.
 * **Network faults** -- :class:`FaultProxy` is an asyncio TCP proxy between a client
   and a server that can delay, drop or hold traffic per direction (:class:`ProxyMode`),
   reset every connection, refuse new ones, or lose exactly one reply.
@@ -48,6 +50,8 @@ from ._history import check_fencing as check_fencing
 from ._history import check_no_overlap as check_no_overlap
 from ._history import keys_left as keys_left
 from ._history import measure_overlap as measure_overlap
+from ._postgres import PostgresServer as PostgresServer
+from ._postgres import find_postgres_bindir as find_postgres_bindir
 from ._proxy import Direction as Direction
 from ._proxy import FaultProxy as FaultProxy
 from ._proxy import ProxyMode as ProxyMode

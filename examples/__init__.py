@@ -1,0 +1,1 @@
+"""Runnable examples of asynclock (not part of the installed package)."""
