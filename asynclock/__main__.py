@@ -3,14 +3,16 @@
 - ``asynclock run NAME [--url URL] [--ttl S] [--hold-at-least S] [--wait S] -- CMD ARGS...``
   runs a command under a lease (see ``asynclock._runner``): a ``crontab`` line on every
   machine, of which one runs the command.
-- ``asynclock demo`` runs worker processes that compete for one lease while the demo kills
-  a holder and deletes the lease key from outside; see ``asynclock._demo``.
+- ``asynclock demo`` runs ``examples/demo`` from a clone of the repository: worker
+  processes compete for one lease while the demo kills a holder and deletes the lease key
+  from outside.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -113,41 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_run(commands)
-    demo = commands.add_parser(
+    commands.add_parser(
         "demo",
-        help="worker processes compete for one lease; a holder is killed, a key deleted",
-        description=(
-            "Start a private Redis/Valkey server (unless --url is given) and worker "
-            "processes that take turns holding one lease. A third into the run the holder "
-            "is killed with SIGKILL and the others take over once its key expires; two "
-            "thirds in, the lease key is deleted from outside and the holder's work is "
-            "cancelled with LockLost. Prints a timeline and a summary; the exit status is "
-            "0 when everything happened as expected."
-        ),
+        help="worker processes compete for one lease; a holder is killed, a key deleted "
+        "(from a clone of the repository: examples/demo)",
+        add_help=False,
     )
-    demo.add_argument(
-        "--url",
-        help="use the Redis server at this URL instead of starting a private one "
-        "(the demo only touches the keys of its lease)",
-    )
-    demo.add_argument(
-        "--workers", type=int, default=4, metavar="N", help="worker processes (default 4)"
-    )
-    demo.add_argument(
-        "--seconds",
-        type=_positive_float,
-        default=20.0,
-        metavar="S",
-        help="length of the run before the workers are stopped (default 20)",
-    )
-    demo.add_argument(
-        "--ttl",
-        type=_positive_float,
-        default=1.5,
-        metavar="S",
-        help="the lease's time to live in seconds (default 1.5)",
-    )
-    demo.add_argument("--name", default="demo", help="the lock's name (default 'demo')")
     return parser
 
 
@@ -184,9 +157,26 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
     return asyncio.run(run_command(config))
 
 
+def _demo(argv: list[str]) -> int:
+    """``asynclock demo ARGS``: the demo is not part of the package (it lives beside it,
+    in ``examples/demo``, and uses the public API only); run it from a clone."""
+    try:  # (looked up at run time: the package itself never depends on its examples)
+        demo_main = importlib.import_module("examples.demo.__main__").main
+    except ImportError:
+        print(
+            "asynclock demo: the demo lives in asynclock's source repository, not in the "
+            "package: in a clone, run ./dev demo (or python -m examples.demo)",
+            file=sys.stderr,
+        )
+        return 2
+    return int(demo_main(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
     command: list[str] = []
     if argv[:1] == ["run"] and "--" in argv:  # (what follows -- is the command's)
         split = argv.index("--")
@@ -194,26 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.subcommand == "run":
         return _run(args, command)
-    if args.workers < 2:
-        parser.error("--workers must be at least 2 (someone has to take over)")
-    if args.workers > 32:
-        parser.error("--workers must be at most 32")
-    if not 0.1 <= args.ttl <= 10:
-        parser.error("--ttl must be between 0.1 and 10 seconds")
-    if args.seconds < 6 * args.ttl:
-        parser.error(f"--seconds must be at least 6 x ttl ({6 * args.ttl:g}s) for the scenario")
-    if not args.name:
-        parser.error("--name must not be empty")
-    from ._demo import DemoConfig, run_demo
-
-    config = DemoConfig(
-        url=args.url,
-        workers=args.workers,
-        seconds=args.seconds,
-        ttl=args.ttl,
-        name=args.name,
-    )
-    return run_demo(config)  # (imported here: the demo's machinery is not run's)
+    return 2  # (unreachable: argparse knows only these commands)
 
 
 if __name__ == "__main__":

@@ -88,12 +88,9 @@ class LeaseContext:
         tb: TracebackType | None,
     ) -> None:
         held = self._lease
-        if held is not None and held._closing:
-            raise RuntimeError("this lease() context manager has already exited")
-        if held is None or held._scope is None:
+        if held is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
-        scope = held._scope
-        held._closing = True  # from here on a loss can no longer cancel the block
+        scope = held._exit_block()  # (from here on a loss can no longer cancel the block)
         # A block that ran past its safe deadline, with no await for the deadline's timer
         # to land in (a blocking call, a CPU-bound stretch), did not finish in time.
         held._overran("the exit")
@@ -133,6 +130,7 @@ def lease(
     on_event: EventHook | None = None,
     fence_ttl: float | timedelta | None = None,
     hold_at_least: float | timedelta | None = None,
+    max_hold: float | timedelta | None = None,
 ) -> LeaseContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -159,6 +157,13 @@ def lease(
             until then instead of deleting it, so that a server whose scheduler fires
             late, by less than that, finds this run of the job taken (see the README's
             "once per tick"). Waiters are woken, and wait until the key expires.
+        max_hold: the most seconds the lease may be held, counted from the acquisition
+            (when the acquire command was sent): then the holder is cancelled and
+            ``LockLost`` (``reason`` ``max_hold``) raised, even while renewals succeed,
+            and the lease given back; None holds it as long as the holder lives. Not
+            shorter than ``hold_at_least``. (A lease of :func:`acquire`: its guards are
+            cancelled and its renewals stop; ``release()`` gives it back, raising
+            ``LockLost``, else its key expires within ``ttl``.)
 
     Raises (when the block is entered):
         LockBusy: ``blocking=False`` and another lease holds the lock.
@@ -189,6 +194,7 @@ def lease(
         on_event,
         fence_ttl,
         hold_at_least,
+        max_hold,
     )
     return LeaseContext(redis, options, on_event)
 
@@ -205,6 +211,7 @@ async def acquire(
     on_event: EventHook | None = None,
     fence_ttl: float | timedelta | None = None,
     hold_at_least: float | timedelta | None = None,
+    max_hold: float | timedelta | None = None,
 ) -> Lease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -231,6 +238,7 @@ async def acquire(
         on_event,
         fence_ttl,
         hold_at_least,
+        max_hold,
     )
     held = await take(redis, options, on_event)
     held._start(None)
@@ -249,6 +257,7 @@ def _options(
     on_event: object,
     fence_ttl: object,
     hold_at_least: object,
+    max_hold: object = None,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
@@ -264,4 +273,5 @@ def _options(
         prefix,
         fence_ttl,
         hold_at_least,
+        max_hold,
     )

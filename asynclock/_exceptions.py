@@ -47,6 +47,10 @@ class LossReason(enum.StrEnum):
     """A fence (``asynclock.postgres.fence``) found a newer holder's fencing token
     recorded: this holder's effects must not be committed."""
 
+    MAX_HOLD = "max_hold"
+    """The lease was held for its ``max_hold`` seconds: taken away from a holder that is
+    alive and renewing, so that no holder keeps the lock longer than that."""
+
     def __str__(self) -> str:
         return self.value
 

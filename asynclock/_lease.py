@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Final, final
+from typing import ClassVar, Final, final
 
 import anyio
 import anyio.lowlevel
@@ -32,7 +32,7 @@ from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
 from ._release import Wake, give_back, give_back_storing, settle
-from ._scripts import RENEW, Arg, Script, run_idempotent, unpack_arg
+from ._scripts import RENEW, RENEW_HEAD, Arg, Script, run_idempotent, unpack_arg
 from ._shield import cancel_dropped, cancelling
 from ._watchdog import report_stall
 
@@ -86,6 +86,7 @@ class Lease:
         "_last_send",
         "_lost_cause",
         "_lost_reason",
+        "_max_hold_timer",
         "_options",
         "_released",
         "_safe_until",
@@ -129,6 +130,7 @@ class Lease:
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
         self._closing = False
         self._released: asyncio.Event | None = None  # set once release() has finished
+        self._max_hold_timer: asyncio.TimerHandle | None = None  # (max_hold: see _start)
 
     # -- what the holder sees -----------------------------------------------------------
 
@@ -380,12 +382,37 @@ class Lease:
         self._scope = scope
         if scope is None:
             self._guards = ()
-        self._companion.watchdog.schedule(self, self._last_send + self.ttl / 3)
+        companion = self._companion
+        companion.watchdog.schedule(self, self._last_send + self.ttl / 3)
+        most = self._options.max_hold
+        if most:  # (counted from the acquire's send, as the deadline is)
+            at = self._last_send + most
+            self._max_hold_timer = companion.loop.call_at(at, self._max_hold_reached)
 
-    def _on_deadline(self) -> None:
-        """Called by the watchdog once ``safe_until`` has passed."""
+    def _max_hold_reached(self) -> None:
+        """``max_hold`` seconds since the acquisition: lost, though renewals succeed."""
+        self._max_hold_timer = None
+        if self._state in _ACTIVE and not self._closing:
+            self._lose(LossReason.MAX_HOLD)
+
+    # -- asked by the watchdog (its view of a lease: ``_watchdog.Watched``) ---------------
+
+    def _watch(self, due: float | None) -> None:
+        """The watchdog looks at this lease next at loop time ``due``; None while a
+        renewal of it is in flight. (The slot is the watchdog's bookkeeping.)"""
+        self._due = due
+
+    def _note_backoff(self, backoff: float) -> None:
+        """The watchdog's pause (seconds) before the retry after next, while SUSPECT."""
+        self._backoff = backoff
+
+    def _on_deadline(self, cause: BaseException | None = None) -> None:
+        """Called by the watchdog once ``safe_until`` has passed; ``cause``: the failure
+        of the renewal that could not be retried in time, if that is how it came."""
         if self._state not in _ACTIVE or self._closing:
             return  # ended, or the block finished in time and is being released
+        if cause is not None:
+            self._lost_cause = cause
         self._deadline_passed("the deadline")
 
     def _deadline_passed(self, what: str) -> None:
@@ -436,8 +463,14 @@ class Lease:
             self._last_send = t_send
         self._state = LeaseState.HELD
         self._lost_cause = None
+        self._backoff = None
         self._event(LeaseEventKind.RENEWED)
         return True
+
+    # The kind of lock: a mutex. (The watchdog renews any lease through these three;
+    # see docs/architecture.md, the seam a kind implements.)
+    _renew_script: ClassVar[Script] = RENEW
+    _renew_head: ClassVar[bytes] = RENEW_HEAD
 
     def _renew_tail(self) -> bytes:
         """The arguments of this lease's RENEW call in RESP: key, value, ttl in ms (they
@@ -480,8 +513,29 @@ class Lease:
         self._event(LeaseEventKind.LOST, reason.value)
 
     def _end(self) -> None:
+        """Given back (whatever the outcome): RELEASED unless lost; the block is gone."""
         if self._state in _ACTIVE:
             self._state = LeaseState.RELEASED
+        self._scope = None
+        timer = self._max_hold_timer
+        if timer is not None:
+            timer.cancel()
+            self._max_hold_timer = None
+
+    def _exit_block(self) -> anyio.CancelScope:
+        """The ``async with`` block's exit begins: from here on a loss can no longer
+        cancel the block. Returns the block's scope.
+
+        Raises:
+            RuntimeError: the block has already exited, or was never entered.
+        """
+        if self._closing:
+            raise RuntimeError("this lease() context manager has already exited")
+        scope = self._scope
+        if scope is None:
+            raise RuntimeError("__aexit__ called without a successful __aenter__")
+        self._closing = True
+        return scope
 
 
 @final

@@ -124,6 +124,8 @@ class LeaseOptions:
     """How long the fencing counter outlives its last write, seconds (0: the default)."""
     hold_at_least: float = 0.0
     """Seconds from the acquisition before which a release keeps the key (0: none)."""
+    max_hold: float = 0.0
+    """Seconds from the acquisition after which the lease is taken away (0: never)."""
     key: str = field(init=False)
     """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
     ttl_ms: int = field(init=False)
@@ -180,6 +182,7 @@ class LeaseOptions:
         prefix: object,
         fence_ttl: object = None,
         hold_at_least: object = None,
+        max_hold: object = None,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -199,6 +202,7 @@ class LeaseOptions:
                 prefix,
                 fence_ttl,
                 hold_at_least,
+                max_hold,
                 type(name),
                 type(ttl),
                 type(blocking),
@@ -207,6 +211,7 @@ class LeaseOptions:
                 type(prefix),
                 type(fence_ttl),
                 type(hold_at_least),
+                type(max_hold),
             )
             try:
                 return _BUILT[key]
@@ -253,6 +258,15 @@ class LeaseOptions:
                 raise ValueError(
                     f"hold_at_least must be at most {MAX_TTL:.0f}s, got {hold_at_least!r}"
                 )
+        most = 0.0
+        if max_hold is not None:
+            most = _positive("max_hold", max_hold)
+            if most > MAX_TTL:
+                raise ValueError(f"max_hold must be at most {MAX_TTL:.0f}s, got {max_hold!r}")
+            if most < hold:
+                raise ValueError(
+                    f"max_hold ({most:g}s) must not be shorter than hold_at_least ({hold:g}s)"
+                )
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -266,6 +280,7 @@ class LeaseOptions:
             prefix=prefix,
             fence_ttl=fence_s,
             hold_at_least=hold,
+            max_hold=most,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:

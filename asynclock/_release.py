@@ -15,7 +15,7 @@ import enum
 import logging
 import math
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from redis.exceptions import MaxConnectionsError
 
@@ -23,18 +23,43 @@ from ._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, register_ms, unregist
 from ._connections import Companion
 from ._events import LeaseEventKind
 from ._exceptions import LossReason
+from ._options import LeaseOptions
 from ._scripts import HANDOFF, RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
 from ._shield import finish, finish_idempotent
 from ._wakeup import Waiter
 
-if TYPE_CHECKING:
-    from ._lease import Lease
-
-__all__ = ["Wake", "give_back", "give_back_storing", "settle", "unretain"]
+__all__ = ["Held", "Wake", "give_back", "give_back_storing", "settle", "unretain"]
 
 log = logging.getLogger("asynclock")
 
 _CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
+
+
+class Held(Protocol):
+    """A lease as its release sees it (``_lease.Lease`` is one): read here, changed only
+    by asking it (``_end``, ``_lose``, ``_event``). Loop times in seconds."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def safe_until(self) -> float: ...
+    @property
+    def lost_reason(self) -> LossReason | None: ...
+    @property
+    def _companion(self) -> Companion: ...
+    @property
+    def _options(self) -> LeaseOptions: ...
+    @property
+    def _keep_until(self) -> float | None: ...  # hold_at_least: keep the key until then
+    @property
+    def _state_active(self) -> bool: ...
+
+    def _owner(self) -> str: ...
+    def _event(self, kind: LeaseEventKind, detail: str = "") -> None: ...
+    def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
+    def _end(self) -> None: ...
 
 
 class Wake(enum.Enum):
@@ -45,7 +70,7 @@ class Wake(enum.Enum):
     # ours stands back a moment, then tries (and so learns how long to wait)
 
 
-async def give_back(held: Lease, *, shielded: bool) -> Wake:
+async def give_back(held: Held, *, shielded: bool) -> Wake:
     """Stop renewing and release the key (shielded; every exchange ends within
     release_timeout), hand it to the next waiter of this client's line, or grant it to
     a waiter of another client. Returns whom to wake (see ``settle``).
@@ -121,7 +146,7 @@ async def give_back(held: Lease, *, shielded: bool) -> Wake:
     return Wake.OURS
 
 
-async def give_back_storing(held: Lease, keys: list[str], args: list[Arg]) -> bool | None:
+async def give_back_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
     """Stop renewing a lease of ``once()`` and, in one owner-checked step, store its job's
     result and delete its key (the STORE script: ``keys``, and ``args`` after the
     lease's value), shielded, every exchange within ``release_timeout``. No waiter is
@@ -188,7 +213,7 @@ class _Outcome(enum.Enum):
 
 
 async def _release(
-    held: Lease,
+    held: Held,
     *,
     keep_ms: int,
     first: bool,
@@ -288,7 +313,7 @@ async def _release(
     return _Outcome.NOT_OURS if _proves_loss(held, first) else None
 
 
-def _proves_loss(held: Lease, first: bool) -> bool:
+def _proves_loss(held: Held, first: bool) -> bool:
     """Whether a release's answer that the key was not ours, just received, proves the key
     went early: the first attempt's, received before ``safe_until`` (see ``_release``)."""
     return first and held._companion.loop.time() < held.safe_until
@@ -304,11 +329,10 @@ async def unretain(companion: Companion) -> None:
             log.debug("asynclock: closing side connections failed: %r", exc)
 
 
-async def settle(held: Lease, wake: Wake) -> None:
+async def settle(held: Held, wake: Wake) -> None:
     """After ``give_back`` (whatever its outcome): mark the lease ended, wake the waiters
     ``wake`` says, and let go of the companion."""
     held._end()
-    held._scope = None
     room = held._companion.room
     if room.in_use:  # (a grant to its token from now on is given back)
         room.in_use.discard(held.token)

@@ -45,6 +45,7 @@ __all__ = [
     "HANDOFF",
     "RELEASE",
     "RENEW",
+    "RENEW_HEAD",
     "STORE",
     "UNKNOWN_OUTCOME",
     "Arg",
@@ -356,6 +357,9 @@ end
 return 0
 """,
 )
+
+RENEW_HEAD: Final = b"*6\r\n" + pack_args(("EVALSHA", RENEW.sha, 1))
+"""The start of a packed RENEW command; the lease's key, value and ttl (ms) follow."""
 
 RELEASE = Script(
     "release",

@@ -42,7 +42,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
@@ -50,12 +50,10 @@ from redis.exceptions import NoScriptError, RedisError
 from ._compat import connection_errors
 from ._exceptions import LossReason
 from ._lane import exchange
-from ._scripts import RENEW, pack_args
+from ._options import LeaseOptions
+from ._scripts import Script
 
-if TYPE_CHECKING:
-    from ._lease import Lease
-
-__all__ = ["Watchdog", "report_stall"]
+__all__ = ["Watchdog", "Watched", "report_stall"]
 
 log = logging.getLogger("asynclock")
 
@@ -63,7 +61,42 @@ _WINDOW: Final = 0.05  # seconds (at most ttl/30): renewals due this close trave
 _BATCH: Final = 1000  # most renewals in one pipeline
 
 
-def report_stall(lease: Lease, due: float, now: float, what: str) -> None:
+class Watched(Protocol):
+    """A held lease as the watchdog sees it (``_lease.Lease`` is one). The lease owns
+    all of this state: the watchdog reads it, and changes it only by asking (``_watch``,
+    ``_confirm``, ``_suspect``, ``_on_deadline``, ...). Loop times and seconds."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def ttl(self) -> float: ...
+    @property
+    def _options(self) -> LeaseOptions: ...
+    @property
+    def _active(self) -> bool: ...
+    @property
+    def _due(self) -> float | None: ...  # set by _watch: when the watchdog looks next
+    @property
+    def _backoff(self) -> float | None: ...  # set by _note_backoff
+    @property
+    def _safe_until(self) -> float: ...
+
+    def _watch(self, due: float | None) -> None: ...
+    def _note_backoff(self, backoff: float) -> None: ...
+    @property
+    def _renew_script(self) -> Script: ...  # the kind's renew script (reloaded on NOSCRIPT)
+    @property
+    def _renew_head(self) -> bytes: ...  # its packed EVALSHA command up to the key
+    def _renew_tail(self) -> bytes: ...  # the rest: the lease's own keys and arguments
+    def _confirm(self, t_send: float, safe_until: float | None = None) -> bool: ...
+    def _found_not_ours(self) -> None: ...
+    def _suspect(self, cause: BaseException) -> None: ...
+    def _on_deadline(self, cause: BaseException | None = None) -> None: ...
+    def _fail(self, cause: BaseException) -> None: ...
+    def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
+
+
+def report_stall(lease: Watched, due: float, now: float, what: str) -> None:
     """Log a warning if a timer of ``lease`` ran much later than ``due`` (loop times).
 
     Lateness means the event loop (or the whole process) was stalled: a blocking call in
@@ -91,17 +124,16 @@ class Watchdog:
         self._timeline = _Timeline(loop, self._fire)
         self._batches: set[asyncio.Task[None]] = set()
         self._closing = False  # set while aclose() cancels the batches in flight
-        self._head = b"*6\r\n" + pack_args(("EVALSHA", RENEW.sha, 1))  # + key, value, ttl
 
     @property
     def running(self) -> bool:
         """True while renewals are in flight (tasks that may still touch Redis)."""
         return bool(self._batches)
 
-    def schedule(self, lease: Lease, due: float) -> None:
+    def schedule(self, lease: Watched, due: float) -> None:
         """Look at ``lease`` at loop time ``due``: renew it then, or declare it lost if its
         ``safe_until`` has passed by then. Only for a lease not already waiting."""
-        lease._due = due
+        lease._watch(due)
         self._timeline.add(due, [lease])
 
     def idle(self) -> None:
@@ -127,8 +159,8 @@ class Watchdog:
         declare lost every lease whose deadline has come."""
         timeline = self._timeline
         entries = timeline.entries
-        batch: list[Lease] = []
-        early: list[Lease] = []  # deadline checks that came up a hair before the deadline
+        batch: list[Watched] = []
+        early: list[Watched] = []  # deadline checks that came up a hair before the deadline
         window = 0.0
         while entries and len(batch) < _BATCH:
             due, _, group = entries[0]
@@ -143,7 +175,7 @@ class Watchdog:
                 if len(batch) >= _BATCH:
                     timeline.push(due, group[i:])  # the rest goes in the next batch
                     break
-                lease._due = None
+                lease._watch(None)
                 try:
                     if lease._safe_until <= now:
                         lease._on_deadline()
@@ -155,8 +187,9 @@ class Watchdog:
                 except Exception as exc:  # (a logging handler, say): lost, never unwatched
                     _failed(lease, exc)
         for lease in early:
-            lease._due = lease._safe_until
-            timeline.push(lease._due, [lease])
+            due = lease._safe_until
+            lease._watch(due)
+            timeline.push(due, [lease])
         timeline.rearm(now)
         if batch:
             task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
@@ -164,7 +197,7 @@ class Watchdog:
             task.add_done_callback(self._batches.discard)
             _InFlight(self._loop, batch, task)
 
-    async def _renew(self, batch: list[Lease]) -> None:
+    async def _renew(self, batch: list[Watched]) -> None:
         """One attempt for each lease of ``batch``; never raises (failures are per lease)."""
         try:
             t_send, replies = await self._send(batch)
@@ -184,7 +217,7 @@ class Watchdog:
             return
         # Renewed leases are due again together: one timeline entry per ttl, one float
         # per ttl for the new deadline and the next due time.
-        renewed: dict[float, tuple[float, list[Lease]]] = {}
+        renewed: dict[float, tuple[float, list[Watched]]] = {}
         for lease, reply in zip(batch, replies, strict=True):
             if not lease._active:
                 continue
@@ -197,7 +230,6 @@ class Watchdog:
                     if found is None:
                         found = renewed[ttl] = (lease._options.safe_until(t_send), [])
                     if lease._confirm(t_send, found[0]):
-                        lease._backoff = None
                         found[1].append(lease)
                 else:
                     lease._found_not_ours()
@@ -207,12 +239,12 @@ class Watchdog:
             if leases:
                 self._schedule_group(leases, t_send + ttl / 3)
 
-    def _schedule_group(self, leases: list[Lease], due: float) -> None:
+    def _schedule_group(self, leases: list[Watched], due: float) -> None:
         for lease in leases:
-            lease._due = due
+            lease._watch(due)
         self._timeline.add(due, leases)
 
-    async def _send(self, batch: list[Lease]) -> tuple[float, list[object]]:
+    async def _send(self, batch: list[Watched]) -> tuple[float, list[object]]:
         """Send the batch's renewals in one write; returns t_send and a reply (or the
         per-command error) per lease. Raises on a connection error, or TimeoutError at
         the batch's earliest deadline (or ttl/3 after sending, if sooner)."""
@@ -221,22 +253,27 @@ class Watchdog:
         earliest = min(lease._safe_until for lease in batch)
         limit_at = min(earliest, t_send + min(lease.ttl for lease in batch) / 3)
         client = self._renewer()
-        head = self._head
         parts: list[bytes] = []
-        for lease in batch:
-            parts += (head, lease._renew_tail())
+        for lease in batch:  # (each lease's kind says how it is renewed)
+            parts += (lease._renew_head, lease._renew_tail())
         packed = b"".join(parts)
         async with asyncio.timeout_at(limit_at):
             replies = await exchange(client, packed, len(batch))
-            if any(isinstance(r, NoScriptError) for r in replies):
-                # A restarted or failed-over server forgot the script: load it, send again.
+            forgotten = {
+                lease._renew_script.source: None
+                for lease, reply in zip(batch, replies, strict=True)
+                if isinstance(reply, NoScriptError)
+            }
+            if forgotten:
+                # A restarted or failed-over server forgot the scripts: load them, resend.
                 with connection_errors():  # (a dropped connection, on some Pythons)
-                    await client.script_load(RENEW.source)
+                    for source in forgotten:
+                        await client.script_load(source)
                 t_send = loop.time()
                 replies = await exchange(client, packed, len(batch))
         return t_send, replies
 
-    def _retry_all(self, batch: list[Lease], error: BaseException) -> None:
+    def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
         """The batch failed as a whole: every lease of it tries again (see ``_retry``)."""
         for lease in batch:
             try:
@@ -244,24 +281,23 @@ class Watchdog:
             except Exception as bug:
                 _failed(lease, bug)
 
-    def _retry(self, lease: Lease, error: BaseException) -> None:
+    def _retry(self, lease: Watched, error: BaseException) -> None:
         """The outcome is unknown: SUSPECT, and try again shortly while time remains; with
         no time left for a retry, wait for the deadline itself."""
         if not lease._active:
             return
         now = self._loop.time()
         if now >= lease._safe_until:
-            lease._lost_cause = error
-            lease._on_deadline()
+            lease._on_deadline(error)
             return
         lease._suspect(error)
         backoff = lease._backoff or min(lease.ttl / 30, 0.05)
-        lease._backoff = min(backoff * 2, lease.ttl / 10, 1.0)
+        lease._note_backoff(min(backoff * 2, lease.ttl / 10, 1.0))
         pause = backoff * random.uniform(0.5, 1.0)
         self.schedule(lease, min(now + pause, lease._safe_until))
 
 
-def _failed(lease: Lease, error: BaseException) -> None:
+def _failed(lease: Watched, error: BaseException) -> None:
     """The watchdog's own handling of ``lease`` raised: the lease is lost
     (``watchdog_failed``), never left unwatched, even if reporting that raises too."""
     try:
@@ -283,7 +319,7 @@ class _InFlight:
     __slots__ = ("_batch", "_loop", "_timer")
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, batch: list[Lease], task: asyncio.Task[None]
+        self, loop: asyncio.AbstractEventLoop, batch: list[Watched], task: asyncio.Task[None]
     ) -> None:
         self._loop = loop
         self._batch = batch
@@ -329,14 +365,14 @@ class _Timeline:
         self._timer: asyncio.TimerHandle | None = None
         self._at = math.inf
         self._order = itertools.count()
-        self.entries: list[tuple[float, int, list[Lease]]] = []
+        self.entries: list[tuple[float, int, list[Watched]]] = []
 
-    def add(self, at: float, leases: list[Lease]) -> None:
+    def add(self, at: float, leases: list[Watched]) -> None:
         heapq.heappush(self.entries, (at, next(self._order), leases))
         if at < self._at:
             self._arm(at)
 
-    def push(self, at: float, leases: list[Lease]) -> None:
+    def push(self, at: float, leases: list[Watched]) -> None:
         """Add without arming (the callback re-arms when it is done)."""
         heapq.heappush(self.entries, (at, next(self._order), leases))
 

@@ -1,4 +1,4 @@
-"""The chaos run of issue 3: ``python -m asynclock.chaos``.
+"""The chaos run of issue 3: ``python -m chaos``.
 
 The 20-second run is part of the default suite: worker processes contend for three locks
 through a fault proxy while a seeded nemesis injects every kind of fault, and every
@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
-from asynclock.chaos import FaultKind, make_schedule
-from asynclock.chaos.__main__ import main
-from asynclock.chaos._nemesis import Fault, Injection
-from asynclock.chaos._run import ChaosConfig
-from asynclock.chaos._summary import (
+from asynclock.testing import Interval, Pause, available_engines
+from chaos import FaultKind, make_schedule
+from chaos.__main__ import main
+from chaos._nemesis import Fault, Injection
+from chaos._run import ChaosConfig
+from chaos._summary import (
     DataLoss,
     RoundReport,
     RunRecord,
@@ -33,8 +34,7 @@ from asynclock.chaos._summary import (
     percentile,
     summarize,
 )
-from asynclock.chaos._worker import holder_name
-from asynclock.testing import Interval, Pause, available_engines
+from chaos._worker import holder_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 20240603  # a 20-second schedule with all eight kinds of fault
@@ -321,7 +321,7 @@ def test_percentile_is_nearest_rank():
 
 
 def _chaos(*args: str, tmp: Path, timeout: float) -> tuple[int, str, str]:
-    """Run ``python -m asynclock.chaos ARGS``; on timeout stop it cleanly, then fail.
+    """Run ``python -m chaos ARGS``; on timeout stop it cleanly, then fail.
 
     Its work directory (kept when a run fails) goes under ``tmp``, which pytest rotates.
     """
@@ -329,7 +329,7 @@ def _chaos(*args: str, tmp: Path, timeout: float) -> tuple[int, str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["TMPDIR"] = str(tmp)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asynclock.chaos", *args],
+        [sys.executable, "-m", "chaos", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -416,5 +416,5 @@ def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path):
     assert summary["overlap"]["unpaused"]["count"] > 0
     assert summary["fenced_writes"]["stale_accepted"] == 0
     assert summary["counter_mismatches"] == 0
-    replay = "FAILED: replay with python -m asynclock.chaos --seed 6 --workers 4 --seconds 20"
+    replay = "FAILED: replay with python -m chaos --seed 6 --workers 4 --seconds 20"
     assert f"{replay} --sabotage" in out

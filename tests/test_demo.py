@@ -1,4 +1,4 @@
-"""End-to-end tests of ``python -m asynclock demo`` (each run starts its own server)."""
+"""End-to-end tests of ``python -m examples.demo`` (each run starts its own server)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _demo(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
-        [sys.executable, "-m", "asynclock", "demo", *args],
+        [sys.executable, "-m", "examples.demo", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -135,3 +135,33 @@ def test_bad_arguments_are_refused(args: list[str], capsys: pytest.CaptureFixtur
         main(args)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_asynclock_demo_outside_a_clone_says_where_the_demo_is(tmp_path: Path) -> None:
+    """The demo is not in the package: run where ``examples`` cannot be imported,
+    ``asynclock demo`` says where it lives and exits 2 (in a clone it runs it)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import asynclock, importlib.util as u; print(u.find_spec('examples') is None)",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.strip() == "True", probe  # (no examples package out here)
+    done = subprocess.run(
+        [sys.executable, "-m", "asynclock", "demo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert "./dev demo" in done.stderr
+    assert "Traceback" not in done.stderr

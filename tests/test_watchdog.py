@@ -34,7 +34,13 @@ class Standin:
         self.failed: list[BaseException] = []
         self.broken = False  # its handling raises, as a raising log handler would
 
-    def _on_deadline(self) -> None:
+    def _watch(self, due: float | None) -> None:
+        self._due = due
+
+    def _note_backoff(self, backoff: float) -> None:
+        self._backoff = backoff
+
+    def _on_deadline(self, cause: BaseException | None = None) -> None:
         if self.broken:
             raise RuntimeError("a log handler raised")
         self.deadlines += 1

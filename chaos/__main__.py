@@ -1,4 +1,4 @@
-"""``python -m asynclock.chaos [--workers N] [--tasks N] [--seconds S] [--seed N] ...``:
+"""``python -m chaos [--workers N] [--tasks N] [--seconds S] [--seed N] ...``:
 the chaos run."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _seconds(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m asynclock.chaos",
+        prog="python -m chaos",
         description=(
             "Worker processes (each running a few contending tasks on one Redis client) "
             "contend for a few asynclock leases on a private Redis server, "

@@ -1,6 +1,6 @@
 """A chaos worker process: contends for a few locks until told to stop.
 
-Started by the chaos run as ``python -c "from asynclock.chaos._worker import main; ..."``
+Started by the chaos run as ``python -c "from chaos._worker import main; ..."``
 with one JSON argument (a :class:`WorkerConfig`). It runs ``tasks`` contenders, asyncio
 tasks that all share the process's one Redis client (so a release by one can hand the
 lock straight to another waiting in the client's local line). Each contender loops over
@@ -60,12 +60,20 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 import asynclock
-from asynclock._options import drift_for
 from asynclock.testing import FencedStore, Guard, History
 
 __all__ = ["WorkerConfig", "counter_key", "holder_name", "main"]
 
 _PR_SET_PDEATHSIG: Final = 1
+
+
+def _drift(ttl: float) -> float:
+    """The clock-rate allowance a lease's ``safe_until`` keeps off its TTL, in seconds:
+    1% of the TTL plus 2 ms (docs/design.md, the deadline), so that ``safe_until -
+    (ttl - drift)`` is the loop time at which the acquire was sent."""
+    return ttl * 0.01 + 0.002
+
+
 _STOP_GRACE: Final = 3.0  # TTLs a round in its body may take to finish after a stop
 _STEPS: Final = (3, 8)  # fenced increments per round
 _STEP_SLEEP: Final = (0.03, 0.2)  # TTLs slept after each increment
@@ -324,7 +332,7 @@ class _Contender:
                 # safe_until is t_send + ttl - drift until the first renewal is confirmed
                 # (no await yet; the detached form's guard entry is one checkpoint, too
                 # short for a renewal to be sent and answered)
-                state.lease_from = lock.safe_until - (config.ttl - drift_for(config.ttl))
+                state.lease_from = lock.safe_until - (config.ttl - _drift(config.ttl))
                 self.in_body = True
                 try:
                     with worker.history.guard_lease(lock, self.holder) as guard:

@@ -1,4 +1,5 @@
-"""``python -m asynclock demo``: worker processes compete for one lease, then things go wrong.
+"""``python -m examples.demo`` (``./dev demo``): worker processes compete for one lease,
+then things go wrong.
 
 The scenario: N worker processes (each its own Python interpreter, event loop and Redis
 client) take turns holding one lease, renewing it while they "work". About a third into
@@ -62,13 +63,13 @@ _PHASE_WAIT: Final = 8.0  # seconds (plus a few TTLs) any one step of the scenar
 _STRIKE_AFTER: Final = 0.15  # kill / delete this many TTLs after an acquisition ...
 _STRIKE_BEFORE: Final = 0.28  # ... and no later than this (the first renewal is at 1/3)
 _WORKER_CODE: Final = (
-    "import sys; from asynclock._demo import worker_main; sys.exit(worker_main(sys.argv[1:]))"
+    "import sys; from examples.demo import worker_main; sys.exit(worker_main(sys.argv[1:]))"
 )
 
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """What ``python -m asynclock demo`` was asked to do. Times in seconds."""
+    """What ``python -m examples.demo`` (``./dev demo``) was asked to do. Times in seconds."""
 
     url: str | None = None
     """An existing server to use; None starts a private one."""
@@ -386,7 +387,7 @@ class _Demo:
             seed=random.randrange(2**32),
         )
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)  # import this very asynclock
+        root = str(Path(__file__).resolve().parents[2])  # import this very asynclock and demo
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CODE, json.dumps(asdict(config))],

@@ -54,10 +54,8 @@ _READY_TIMEOUT: Final = 30.0  # seconds for every worker to start and report rea
 _STOP_GRACE: Final = 10.0  # seconds (plus 4 TTLs) for the workers to stop when told
 _NEMESIS_GRACE: Final = 15.0  # seconds for the fault in progress to end after the run
 _PROGRESS_EVERY: Final = 60.0  # seconds between progress lines (runs of 2 minutes or more)
-_WORKER_CODE: Final = (
-    "import sys; from asynclock.chaos._worker import main; sys.exit(main(sys.argv[1:]))"
-)
-_ROOT: Final = str(Path(__file__).resolve().parents[2])  # workers import this very asynclock
+_WORKER_CODE: Final = "import sys; from chaos._worker import main; sys.exit(main(sys.argv[1:]))"
+_ROOT: Final = str(Path(__file__).resolve().parents[1])  # workers import this very asynclock
 _DEFAULTS: Final = {"workers": 4, "tasks": 2, "seconds": 20.0, "locks": 3, "ttl": 0.8}
 
 
@@ -100,7 +98,7 @@ class ChaosConfig:
     def replay(self) -> str:
         """The command line that replays this run (same seed, same schedule)."""
         parts = [
-            "python -m asynclock.chaos",
+            "python -m chaos",
             f"--seed {self.seed}",
             f"--workers {self.workers}",
             f"--seconds {self.seconds:g}",

@@ -1,6 +1,6 @@
 """The chaos run: worker processes contend for leases while a seeded nemesis injects faults.
 
-``python -m asynclock.chaos --workers 4 --seconds 20 --seed 7`` starts a private server
+``python -m chaos --workers 4 --seconds 20 --seed 7`` starts a private server
 behind a fault proxy and worker processes that take a few locks in turn, doing fenced
 writes under them, while faults are injected at random from the seed (proxy delay,
 blackhole and reset; server stall, ``CLIENT KILL``, ``FLUSHALL``, restart without
