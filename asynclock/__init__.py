@@ -27,6 +27,7 @@ from ._events import LeaseEventKind as LeaseEventKind
 from ._every import every as every
 from ._exceptions import AcquireTimeout as AcquireTimeout
 from ._exceptions import IdempotencyConflict as IdempotencyConflict
+from ._exceptions import LimitConflict as LimitConflict
 from ._exceptions import LockBusy as LockBusy
 from ._exceptions import LockError as LockError
 from ._exceptions import LockLost as LockLost
@@ -54,6 +55,7 @@ __all__ = [
     "LeaseEventKind",
     "LeaseGuard",
     "LeaseState",
+    "LimitConflict",
     "LockBusy",
     "LockError",
     "LockLost",

@@ -18,10 +18,11 @@ from types import TracebackType
 from redis.asyncio import Redis
 
 from ._acquire import Acquisition, Job, JobConflict, JobDone
-from ._connections import HoldEntry, companion_for
+from ._connections import Companion, HoldEntry, companion_for
 from ._events import EventHook, LeaseEventKind
 from ._lease import Lease, LeaseState
 from ._options import LeaseOptions
+from ._permits import PermitAcquisition
 from ._release import Wake, give_back, settle, unretain
 
 __all__ = ["LeaseContext", "acquire", "lease"]
@@ -35,6 +36,8 @@ async def take(
     """Acquire the lock of ``options`` (see ``Acquisition``; ``job``: for ``once()``): the
     held lease, not yet watched (the caller starts it without awaiting first)."""
     companion = companion_for(redis)
+    if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
+        return await _take_permit(companion, options, hook)
     companion.check_not_holding(options.key, options.name)
     companion.retain()
     companion.check_eviction_once()
@@ -53,6 +56,22 @@ async def take(
     # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
     suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
     return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook, suffix)
+
+
+async def _take_permit(
+    companion: Companion, options: LeaseOptions, hook: EventHook | None
+) -> Lease:
+    """``take()`` for a permit of the semaphore of ``options`` (see ``_permits``): a lease
+    on the permit's own key."""
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await PermitAcquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    permit = options.permit(grant.slot)
+    return Lease(permit, companion, grant.token, grant.fencing_token, grant.t_send, hook)
 
 
 class LeaseContext:
@@ -131,6 +150,7 @@ def lease(
     fence_ttl: float | timedelta | None = None,
     hold_at_least: float | timedelta | None = None,
     max_hold: float | timedelta | None = None,
+    limit: int = 1,
 ) -> LeaseContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -164,9 +184,18 @@ def lease(
             shorter than ``hold_at_least``. (A lease of :func:`acquire`: its guards are
             cancelled and its renewals stop; ``release()`` gives it back, raising
             ``LockLost``, else its key expires within ``ttl``.)
+        limit: how many leases may hold the lock at once: 1 (a mutex), or up to 1000
+            for a semaphore, each holder with a permit of its own that is renewed, lost
+            and released as a lease is (a dead holder's permit expires by its TTL), and
+            a fencing token from the lock's one counter. Waiters are woken by the
+            release of any permit; permits are not handed over, so every client's
+            waiters compete. One name, one limit: a permit asked for with another limit
+            than the permits held raises ``LimitConflict``.
 
     Raises (when the block is entered):
-        LockBusy: ``blocking=False`` and another lease holds the lock.
+        LockBusy: ``blocking=False`` and another lease holds the lock (every permit).
+        LimitConflict: ``limit`` differs from the limit the lock's permits are held
+            with, or a permit was asked of a name held as a plain lock.
         AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``),
             round trips to Redis included: a Redis that stops answering gives it too,
             within ``blocking_timeout`` plus at most 0.5 s to undo an attempt in flight.
@@ -195,6 +224,7 @@ def lease(
         fence_ttl,
         hold_at_least,
         max_hold,
+        limit,
     )
     return LeaseContext(redis, options, on_event)
 
@@ -212,6 +242,7 @@ async def acquire(
     fence_ttl: float | timedelta | None = None,
     hold_at_least: float | timedelta | None = None,
     max_hold: float | timedelta | None = None,
+    limit: int = 1,
 ) -> Lease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -239,6 +270,7 @@ async def acquire(
         fence_ttl,
         hold_at_least,
         max_hold,
+        limit,
     )
     held = await take(redis, options, on_event)
     held._start(None)
@@ -258,6 +290,7 @@ def _options(
     fence_ttl: object,
     hold_at_least: object,
     max_hold: object = None,
+    limit: object = 1,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
@@ -274,4 +307,5 @@ def _options(
         fence_ttl,
         hold_at_least,
         max_hold,
+        limit,
     )

@@ -22,6 +22,7 @@ import enum
 __all__ = [
     "AcquireTimeout",
     "IdempotencyConflict",
+    "LimitConflict",
     "LockBusy",
     "LockError",
     "LockLost",
@@ -128,3 +129,16 @@ class IdempotencyConflict(LockError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.key,))
+
+
+class LimitConflict(LockError, ValueError):
+    """``lease(redis, name, limit=N)`` found the semaphore ``name`` held with another
+    ``limit`` (or as a plain lock): one name, one limit, or the limits would mix."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.name = name
+        self.detail = detail
+        super().__init__(f"the semaphore {name!r} is {detail}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.detail))

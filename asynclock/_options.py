@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Final
 
 from redis.asyncio import Redis
 
-__all__ = ["MAX_TTL", "MIN_TTL", "LeaseOptions", "default_fence_ttl", "drift_for"]
+__all__ = ["MAX_LIMIT", "MAX_TTL", "MIN_TTL", "LeaseOptions", "default_fence_ttl", "drift_for"]
 
 MIN_TTL = 0.03
 """Shortest TTL accepted, in seconds: below it a renewal every ttl/3 (10 ms) cannot be
@@ -50,6 +51,10 @@ def drift_for(ttl: float) -> float:
 _CLIENT_TYPES: set[type] = set()  # client classes already found to be redis.asyncio.Redis
 _BUILT: dict[tuple[object, ...], LeaseOptions] = {}  # see LeaseOptions.cached
 _BUILT_MAX = 1024
+_PERMITS: dict[tuple[LeaseOptions, int], LeaseOptions] = {}  # see LeaseOptions.permit
+
+MAX_LIMIT: Final = 1000
+"""The most permits a semaphore may have: each acquire looks at every permit's key."""
 
 
 def _number(argument: str, value: object) -> float:
@@ -126,29 +131,56 @@ class LeaseOptions:
     """Seconds from the acquisition before which a release keeps the key (0: none)."""
     max_hold: float = 0.0
     """Seconds from the acquisition after which the lease is taken away (0: never)."""
+    limit: int = 1
+    """How many leases may hold the lock at once (1: a mutex; more: a semaphore)."""
+    slot: int = -1
+    """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     key: str = field(init=False)
-    """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock)."""
+    """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock); a
+    semaphore's permit ``slot``: ``<prefix>{<name>}:permit:<slot>``."""
     ttl_ms: int = field(init=False)
     """The TTL in whole milliseconds (at least 1), as sent to Redis."""
     fence_ttl_ms: int = field(init=False)
     """The fencing counter's retention in whole milliseconds, as sent to Redis."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", f"{self.prefix}{{{self.name}}}")
+        base = f"{self.prefix}{{{self.name}}}"
+        key = base if self.slot < 0 else f"{base}:permit:{self.slot}"
+        object.__setattr__(self, "key", key)
         object.__setattr__(self, "ttl_ms", max(1, round(self.ttl * 1000)))
         fence_ttl = self.fence_ttl or default_fence_ttl(self.ttl)
         object.__setattr__(self, "fence_ttl", fence_ttl)
         object.__setattr__(self, "fence_ttl_ms", max(self.ttl_ms, round(fence_ttl * 1000)))
 
     @property
+    def base_key(self) -> str:
+        """``<prefix>{<name>}``: the lock's key, and the stem of all its keys."""
+        return f"{self.prefix}{{{self.name}}}"
+
+    @property
     def fence_key(self) -> str:
-        """The key of the lock's fencing counter."""
-        return self.key + ":fence"
+        """The key of the lock's fencing counter (shared by a semaphore's permits)."""
+        return self.base_key + ":fence"
 
     @property
     def channel(self) -> str:
-        """The pub/sub channel on which releases of the lock are announced."""
-        return self.key + ":released"
+        """The pub/sub channel on which releases of the lock (any of its permits) are
+        announced."""
+        return self.base_key + ":released"
+
+    def permit_keys(self) -> list[str]:
+        """A semaphore's ``limit`` permit keys, in slot order."""
+        base = self.base_key
+        return [f"{base}:permit:{slot}" for slot in range(self.limit)]
+
+    def permit(self, slot: int) -> LeaseOptions:
+        """These options for a permit held in ``slot`` (its own key; cached)."""
+        found = _PERMITS.get((self, slot))
+        if found is None:
+            if len(_PERMITS) >= _BUILT_MAX:
+                _PERMITS.clear()
+            found = _PERMITS[(self, slot)] = replace(self, slot=slot)
+        return found
 
     @property
     def waiting_key(self) -> str:
@@ -183,6 +215,7 @@ class LeaseOptions:
         fence_ttl: object = None,
         hold_at_least: object = None,
         max_hold: object = None,
+        limit: object = 1,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -203,6 +236,7 @@ class LeaseOptions:
                 fence_ttl,
                 hold_at_least,
                 max_hold,
+                limit,
                 type(name),
                 type(ttl),
                 type(blocking),
@@ -212,6 +246,7 @@ class LeaseOptions:
                 type(fence_ttl),
                 type(hold_at_least),
                 type(max_hold),
+                type(limit),
             )
             try:
                 return _BUILT[key]
@@ -267,6 +302,10 @@ class LeaseOptions:
                 raise ValueError(
                     f"max_hold ({most:g}s) must not be shorter than hold_at_least ({hold:g}s)"
                 )
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+        if not 1 <= limit <= MAX_LIMIT:
+            raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit!r}")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -281,6 +320,7 @@ class LeaseOptions:
             fence_ttl=fence_s,
             hold_at_least=hold,
             max_hold=most,
+            limit=limit,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:

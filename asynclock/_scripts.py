@@ -46,6 +46,8 @@ __all__ = [
     "RELEASE",
     "RENEW",
     "RENEW_HEAD",
+    "SEMAPHORE_ABANDON",
+    "SEMAPHORE_ACQUIRE",
     "STORE",
     "UNKNOWN_OUTCOME",
     "Arg",
@@ -540,5 +542,83 @@ if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[2]) then  -- (never shortened)
   redis.pcall('SET', KEYS[2], '1', 'PX', ARGV[2])
 end
 return deleted
+""",
+)
+
+
+SEMAPHORE_ACQUIRE = Script(
+    "semaphore_acquire",
+    """
+-- A permit of a semaphore: one of its `limit` permit keys, each a lease key of its own
+-- (renewed, released and lost as one; the fencing counter is the lock's).
+-- KEYS[1] the limit the permits are held with, KEYS[2] fence counter, KEYS[3] this
+-- attempt's tombstone, KEYS[4] the lock's key as a plain lock, KEYS[5..] the permit keys
+-- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] limit
+-- returns {1, fencing token, slot} when a permit is held by this token (new, or a retry
+-- of ours), {0, pttl in ms of the permit that expires first (-1: none expires)} when
+-- all are held, {-1, 0} when this attempt was abandoned, {-2, the limit they are held
+-- with} for another limit, {-3, 0} when the lock is held as a plain lock (limit 1)
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {-1, 0}
+end
+local held_with = redis.call('GET', KEYS[1])
+if held_with and held_with ~= ARGV[4] then
+  return {-2, held_with}
+end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {-3, 0}
+end
+local mine = ARGV[1] .. ':'
+local free = nil
+local soonest = -1
+for i = 5, #KEYS do
+  local current = redis.call('GET', KEYS[i])
+  if current then
+    if string.sub(current, 1, #mine) == mine then
+      redis.call('PEXPIRE', KEYS[i], ARGV[2])
+      return {1, tonumber(string.match(current, '^[^:]*:(%d+)')), i - 5}
+    end
+    local pttl = redis.call('PTTL', KEYS[i])
+    if pttl >= 0 and (soonest < 0 or pttl < soonest) then
+      soonest = pttl
+    end
+  elseif not free then
+    free = i
+  end
+end
+if not free then
+  return {0, soonest}
+end
+local t = redis.call('TIME')
+"""
+    + _MINT_FENCE
+    + """redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
+redis.call('SET', KEYS[free], mine .. text, 'PX', ARGV[2])
+return {1, fence, free - 5}
+""",
+)
+
+SEMAPHORE_ABANDON = Script(
+    "semaphore_abandon",
+    """
+-- Undo an acquire attempt of a semaphore's permit that may have landed, and stop it
+-- from landing later. KEYS[1] the attempt's tombstone, KEYS[2..] the permit keys
+-- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel, ARGV[4] the
+-- client's origin id; returns how many permits it gave back (0 or 1)
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
+local mine = ARGV[1] .. ':'
+local freed = 0
+for i = 2, #KEYS do
+  local current = redis.call('GET', KEYS[i])
+  if current and string.sub(current, 1, #mine) == mine then
+    redis.call('DEL', KEYS[i])
+    freed = freed + 1
+  end
+end
+if freed > 0 then
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
+end
+return freed
 """,
 )

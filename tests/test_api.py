@@ -24,6 +24,7 @@ def test_public_names_are_pinned() -> None:
         "LeaseEventKind",
         "LeaseGuard",
         "LeaseState",
+        "LimitConflict",
         "LockBusy",
         "LockError",
         "LockLost",
@@ -63,6 +64,9 @@ def test_errors_pickle_round_trip() -> None:
     assert (copy.name, copy.reason, str(copy)) == (lost.name, lost.reason, str(lost))
     timeout = pickle.loads(pickle.dumps(asynclock.AcquireTimeout("x", 1.5)))
     assert timeout.timeout == 1.5
+    conflict = asynclock.LimitConflict("api", "held with limit=3, not 4")
+    again = pickle.loads(pickle.dumps(conflict))
+    assert (again.name, again.detail, str(again)) == ("api", conflict.detail, str(conflict))
 
 
 @pytest.fixture

@@ -1,0 +1,296 @@
+"""Semaphores: ``lease(redis, name, limit=N)`` holds one of N permits (issue 20, B).
+
+Each permit is a lease of its own key: renewed, lost, cancelled and released as any
+lease. Tests across clients and processes, with a SIGKILLed holder, a deleted permit,
+cancellations in flight, and conflicting limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import LeaseEventKind, LimitConflict, LockBusy, LockLost, LossReason
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_the_limit_is_reached_and_never_exceeded(
+    redis_server: object, make_client: Callable[..., Redis], prefix: str
+) -> None:
+    """12 tasks over 3 clients (bytes and str replies) share 3 permits: at most 3 inside
+    at once, 3 reached, every fencing token distinct (one counter per name: a permit's
+    token is greater than every token minted before it)."""
+    clients = [make_client(), make_client(decode_responses=True), make_client()]
+    inside = 0
+    most = 0
+    tokens: list[int] = []
+
+    async def worker(index: int) -> None:
+        nonlocal inside, most
+        for _ in range(6):
+            async with asynclock.lease(
+                clients[index % 3], "api", limit=3, ttl=5, prefix=prefix
+            ) as held:
+                inside += 1
+                most = max(most, inside)
+                tokens.append(held.fencing_token)
+                await asyncio.sleep(random.uniform(0, 0.01))
+                inside -= 1
+
+    await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(12))), 60)
+    assert most == 3
+    assert len(tokens) == 72
+    assert len(set(tokens)) == len(tokens)
+    permits = [f"{prefix}{{api}}:permit:{i}" for i in range(3)]
+    assert not await clients[0].exists(*permits)  # every permit given back
+
+
+_WORKER = """
+import asyncio, json, sys, random
+from redis.asyncio import Redis
+import asynclock
+
+async def main(url, prefix, rounds):
+    redis = Redis.from_url(url)
+    most = 0
+    for _ in range(rounds):
+        async with asynclock.lease(redis, "shared", limit=2, ttl=2, prefix=prefix):
+            now = await redis.incr(prefix + "inside")
+            most = max(most, now)
+            await asyncio.sleep(random.uniform(0.002, 0.02))
+            await redis.decr(prefix + "inside")
+    await redis.aclose()
+    print(json.dumps({"most": most}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+async def test_processes_share_the_permits(redis_server: object, prefix: str) -> None:
+    """Four processes, 15 rounds each, limit 2: a shared counter of holders never
+    passes 2, and reaches it."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _WORKER,
+            url,
+            prefix,
+            "15",
+            stdout=asyncio.subprocess.PIPE,
+            env=_env(),
+        )
+        for _ in range(4)
+    ]
+    outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 90)
+    assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
+    most = max(json.loads(out)["most"] for out, _ in outs)
+    assert most == 2
+
+
+_HOLDER = """
+import asyncio, sys
+from redis.asyncio import Redis
+import asynclock
+
+async def main(url, prefix):
+    redis = Redis.from_url(url)
+    async with asynclock.lease(redis, "killed", limit=2, ttl=1.0, prefix=prefix):
+        print("held", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_sigkilled_holders_permit_comes_back_after_its_ttl(
+    client: Redis, redis_server: object, prefix: str
+) -> None:
+    """Two permits: ours and a child process's. The child is SIGKILLed; a waiter gets
+    its permit once the key expires (ttl 1 s), not while the child lived."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    async with asynclock.lease(client, "killed", limit=2, ttl=5, prefix=prefix):
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _HOLDER,
+            url,
+            prefix,
+            stdout=asyncio.subprocess.PIPE,
+            env=_env(),
+        )
+        try:
+            assert child.stdout is not None
+            line = await asyncio.wait_for(child.stdout.readline(), 30)
+            assert line.strip() == b"held"
+            with pytest.raises(LockBusy):  # (both permits held, renewed)
+                await asynclock.acquire(
+                    client, "killed", limit=2, ttl=5, prefix=prefix, blocking=False
+                )
+            killed_at = time.monotonic()
+            child.send_signal(signal.SIGKILL)
+            async with asynclock.lease(
+                client, "killed", limit=2, ttl=5, prefix=prefix, blocking_timeout=10
+            ):
+                waited = time.monotonic() - killed_at
+        finally:
+            if child.returncode is None:
+                child.kill()
+            await child.wait()
+    assert 0.3 < waited < 4.0, waited  # (its ttl was 1 s, renewed every 1/3 s)
+
+
+async def test_a_lost_permit_cancels_its_holder_only(client: Redis, prefix: str) -> None:
+    """The key of one permit is deleted from outside: its holder is cancelled with
+    LockLost(not_owner); the other permit's holder goes on."""
+    other_done = asyncio.Event()
+
+    async def other() -> None:
+        async with asynclock.lease(client, "sem", limit=2, ttl=0.6, prefix=prefix):
+            await asyncio.sleep(1.5)  # (several renewals, through the loss next door)
+        other_done.set()
+
+    task = asyncio.create_task(other())
+    await wait_until(lambda: client.exists(f"{prefix}{{sem}}:permit:0"), what="first permit")
+    events: list[asynclock.LeaseEvent] = []
+    with pytest.raises(LockLost) as lost:
+        async with asynclock.lease(
+            client, "sem", limit=2, ttl=0.6, prefix=prefix, on_event=events.append
+        ) as held:
+            assert held.key == f"{prefix}{{sem}}:permit:1"
+            await client.delete(held.key)
+            await asyncio.Event().wait()
+    assert lost.value.reason is LossReason.NOT_OWNER
+    await asyncio.wait_for(task, 10)
+    assert other_done.is_set()
+
+
+async def test_a_release_wakes_a_waiter_of_another_client_at_once(
+    redis_server: object, make_client: Callable[..., Redis], prefix: str
+) -> None:
+    """Both permits held with ttl 30 s: a waiter in another client is woken by the
+    release of one (not by the keys' expiry, 30 s away)."""
+    a, b = make_client(), make_client()
+    first = await asynclock.acquire(a, "wake", limit=2, ttl=30, prefix=prefix)
+    second = await asynclock.acquire(a, "wake", limit=2, ttl=30, prefix=prefix)
+    entered = asyncio.Event()
+
+    async def waiter() -> None:
+        async with asynclock.lease(b, "wake", limit=2, ttl=30, prefix=prefix):
+            entered.set()
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0.3)  # (it tried, subscribed, and sleeps)
+    assert not entered.is_set()
+    released = time.monotonic()
+    await first.release()
+    await asyncio.wait_for(entered.wait(), 5)
+    assert time.monotonic() - released < 2.0
+    await task
+    await second.release()
+
+
+async def test_cancelled_waiters_and_attempts_leave_no_permit_behind(
+    client: Redis, prefix: str
+) -> None:
+    """Acquires cancelled at random moments (while waiting, while an attempt is in
+    flight, right after it): once everything is over, no permit key is left, and a new
+    acquire takes one at once."""
+    rng = random.Random(20)
+    holders = [
+        await asynclock.acquire(client, "cancel", limit=2, ttl=5, prefix=prefix) for _ in range(2)
+    ]
+
+    async def contender() -> None:
+        async with asynclock.lease(client, "cancel", limit=2, ttl=5, prefix=prefix):
+            await asyncio.sleep(0.01)
+
+    tasks = [asyncio.create_task(contender()) for _ in range(6)]
+    await asyncio.sleep(0.05)
+    await holders[0].release()  # (the line moves while we cancel)
+    for task in tasks:
+        await asyncio.sleep(rng.uniform(0, 0.004))
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await holders[1].release()
+    for _ in range(20):  # and cancellations of attempts in flight, uncontended
+        task = asyncio.create_task(contender())
+        await asyncio.sleep(rng.uniform(0, 0.002))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    permits = [f"{prefix}{{cancel}}:permit:{i}" for i in range(2)]
+    assert not await client.exists(*permits)
+    for _ in range(2):
+        await asynclock.acquire(client, "cancel", limit=2, ttl=5, prefix=prefix, blocking=False)
+
+
+async def test_one_name_one_limit(client: Redis, prefix: str) -> None:
+    """A permit asked with another limit than the permits held raises LimitConflict (a
+    ValueError), as does one asked of a name held as a plain lock."""
+    async with asynclock.lease(client, "limits", limit=3, prefix=prefix):
+        with pytest.raises(LimitConflict, match="limit=3, not 4") as caught:
+            await asynclock.acquire(client, "limits", limit=4, prefix=prefix)
+        assert isinstance(caught.value, ValueError)
+    async with asynclock.lease(client, "plain", prefix=prefix):
+        with pytest.raises(LimitConflict, match="plain lock"):
+            await asynclock.acquire(client, "plain", limit=2, prefix=prefix)
+
+
+async def test_max_hold_bounds_a_permit(client: Redis, prefix: str) -> None:
+    """max_hold applies to a permit like any lease: cancelled, LockLost(max_hold)."""
+    events: list[asynclock.LeaseEvent] = []
+    with pytest.raises(LockLost) as lost:
+        async with asynclock.lease(
+            client,
+            "bounded",
+            limit=2,
+            ttl=0.3,
+            max_hold=0.5,
+            prefix=prefix,
+            on_event=events.append,
+        ):
+            await asyncio.Event().wait()
+    assert lost.value.reason is LossReason.MAX_HOLD
+    assert LeaseEventKind.RELEASED in [e.kind for e in events]
+
+
+@pytest.mark.parametrize(
+    ("limit", "error", "text"),
+    [
+        (0, ValueError, "limit must be between 1 and 1000"),
+        (-2, ValueError, "limit must be between 1 and 1000"),
+        (1001, ValueError, "limit must be between 1 and 1000"),
+        (True, TypeError, "limit must be an int"),
+        (2.0, TypeError, "limit must be an int"),
+        ("3", TypeError, "limit must be an int"),
+    ],
+)
+async def test_bad_limits_are_refused_before_any_io(
+    limit: object, error: type[Exception], text: str
+) -> None:
+    nowhere = Redis(host="127.0.0.1", port=1)  # (nothing listens there)
+    with pytest.raises(error, match=text):
+        asynclock.lease(nowhere, "x", limit=limit)  # type: ignore[arg-type]
+    with pytest.raises(error, match=text):
+        await asynclock.acquire(nowhere, "x", limit=limit)  # type: ignore[arg-type]
+    await nowhere.aclose()
