@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from ._acquire import Acquisition, Job, JobConflict, JobDone
 from ._connections import Companion, HoldEntry, companion_for
 from ._events import EventHook, LeaseEventKind
+from ._fair import FairAcquisition
 from ._lease import Lease, LeaseState
 from ._options import LeaseOptions
 from ._permits import PermitAcquisition
@@ -39,6 +40,8 @@ async def take(
     if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
         return await _take_permit(companion, options, hook)
     companion.check_not_holding(options.key, options.name)
+    if options.fair:
+        return await _take_fair(companion, options, hook)
     companion.retain()
     companion.check_eviction_once()
     try:
@@ -72,6 +75,18 @@ async def _take_permit(
         raise
     permit = options.permit(grant.slot)
     return Lease(permit, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+
+
+async def _take_fair(companion: Companion, options: LeaseOptions, hook: EventHook | None) -> Lease:
+    """``take()`` for a fair lock (see ``_fair``): the plain lock's lease, in turn."""
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await FairAcquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
 
 
 class LeaseContext:
@@ -151,6 +166,7 @@ def lease(
     hold_at_least: float | timedelta | None = None,
     max_hold: float | timedelta | None = None,
     limit: int = 1,
+    fair: bool = False,
 ) -> LeaseContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -191,6 +207,10 @@ def lease(
             release of any permit; permits are not handed over, so every client's
             waiters compete. One name, one limit: a permit asked for with another limit
             than the permits held raises ``LimitConflict``.
+        fair: waiters take the lock in the order they started waiting, across
+            processes (a queue in Redis); a waiter that dies holds the queue up for at
+            most about 3 s, one that gives up not at all. Only for a plain lock (not
+            with ``limit``); a plain ``lease()`` of the same name does not queue.
 
     Raises (when the block is entered):
         LockBusy: ``blocking=False`` and another lease holds the lock (every permit).
@@ -225,6 +245,7 @@ def lease(
         hold_at_least,
         max_hold,
         limit,
+        fair,
     )
     return LeaseContext(redis, options, on_event)
 
@@ -243,6 +264,7 @@ async def acquire(
     hold_at_least: float | timedelta | None = None,
     max_hold: float | timedelta | None = None,
     limit: int = 1,
+    fair: bool = False,
 ) -> Lease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -271,6 +293,7 @@ async def acquire(
         hold_at_least,
         max_hold,
         limit,
+        fair,
     )
     held = await take(redis, options, on_event)
     held._start(None)
@@ -291,6 +314,7 @@ def _options(
     hold_at_least: object,
     max_hold: object = None,
     limit: object = 1,
+    fair: object = False,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
@@ -308,4 +332,5 @@ def _options(
         hold_at_least,
         max_hold,
         limit,
+        fair,
     )

@@ -133,6 +133,8 @@ class LeaseOptions:
     """Seconds from the acquisition after which the lease is taken away (0: never)."""
     limit: int = 1
     """How many leases may hold the lock at once (1: a mutex; more: a semaphore)."""
+    fair: bool = False
+    """Waiters take the lock in the order they came, across processes (see ``_fair``)."""
     slot: int = -1
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     key: str = field(init=False)
@@ -216,6 +218,7 @@ class LeaseOptions:
         hold_at_least: object = None,
         max_hold: object = None,
         limit: object = 1,
+        fair: object = False,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -237,6 +240,7 @@ class LeaseOptions:
                 hold_at_least,
                 max_hold,
                 limit,
+                fair,
                 type(name),
                 type(ttl),
                 type(blocking),
@@ -247,6 +251,7 @@ class LeaseOptions:
                 type(hold_at_least),
                 type(max_hold),
                 type(limit),
+                type(fair),
             )
             try:
                 return _BUILT[key]
@@ -306,6 +311,10 @@ class LeaseOptions:
             raise TypeError(f"limit must be an int, not {type(limit).__name__}")
         if not 1 <= limit <= MAX_LIMIT:
             raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit!r}")
+        if not isinstance(fair, bool):
+            raise TypeError(f"fair must be a bool, not {type(fair).__name__}")
+        if fair and limit > 1:
+            raise ValueError("fair=True is for a plain lock: it cannot be given with limit")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -321,6 +330,7 @@ class LeaseOptions:
             hold_at_least=hold,
             max_hold=most,
             limit=limit,
+            fair=fair,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:

@@ -87,9 +87,12 @@ async def give_back(held: Held, *, shielded: bool) -> Wake:
     # The next waiter in this client's line, if any, is handed the key directly.
     successor = room.head(channel)
     if successor is not None and (
-        successor.offered or successor.grant is not None or held._options.limit > 1
+        successor.offered
+        or successor.grant is not None
+        or held._options.limit > 1
+        or held._options.fair
     ):
-        successor = None  # (a semaphore's permits are not handed over: see _permits)
+        successor = None  # (permits and fair locks are not handed over: _permits, _fair)
     t_offer = held._companion.loop.time()
     keep_ms = 0  # (hold_at_least: the key is kept this long rather than deleted)
     keep_until = held._keep_until

@@ -42,6 +42,8 @@ __all__ = [
     "ABANDON",
     "ACQUIRE",
     "ACQUIRE_JOB",
+    "FAIR_ACQUIRE",
+    "FAIR_LEAVE",
     "HANDOFF",
     "RELEASE",
     "RENEW",
@@ -620,5 +622,96 @@ if freed > 0 then
   redis.call('PUBLISH', ARGV[3], ARGV[4])
 end
 return freed
+""",
+)
+
+
+FAIR_ACQUIRE = Script(
+    "fair_acquire",
+    """
+-- A lock taken in the order its waiters came (lease(..., fair=True)). The waiters of
+-- every client queue in a sorted set (token -> server time of arrival, microseconds);
+-- each says it is alive by each attempt (a hash: token -> server time in ms until which
+-- it counts as waiting). The first live waiter in the queue, and nobody else, may take
+-- the lock when it is free; waiters no longer alive are dropped from the queue's head.
+-- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
+-- KEYS[4] the queue, KEYS[5] the waiters' liveness hash
+-- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] for how
+-- long (ms) a waiter counts as alive after an attempt, ARGV[5] 'wait' to join the queue
+-- (else a single attempt, which takes the lock only when nobody waits)
+-- returns {1, fencing token} when held by this token (new, or a retry of ours),
+--         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
+--         {-1, 0} when this attempt was abandoned (its tombstone exists)
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {-1, 0}
+end
+local mine = ARGV[1] .. ':'
+local current = redis.call('GET', KEYS[1])
+if current and string.sub(current, 1, #mine) == mine then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, tonumber(string.match(current, '^[^:]*:(%d+)'))}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local head = nil
+while true do
+  local first = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  if not first then
+    break
+  end
+  local alive = tonumber(redis.call('HGET', KEYS[5], first))
+  if first == ARGV[1] or (alive and alive > now) then
+    head = first
+    break
+  end
+  redis.call('ZREM', KEYS[4], first)
+  redis.call('HDEL', KEYS[5], first)
+end
+if not current and (head == nil or head == ARGV[1]) then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
+"""
+    + _MINT_FENCE
+    + """  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+  redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+  return {1, fence}
+end
+if ARGV[5] == 'wait' then
+  if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+    redis.call('ZADD', KEYS[4], tonumber(t[1]) * 1000000 + tonumber(t[2]), ARGV[1])
+  end
+  redis.call('HSET', KEYS[5], ARGV[1], now + tonumber(ARGV[4]))
+  local keep = 2 * tonumber(ARGV[4]) + tonumber(ARGV[2])
+  redis.call('PEXPIRE', KEYS[4], keep)
+  redis.call('PEXPIRE', KEYS[5], keep)
+end
+if not current then
+  return {0, 0}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+""",
+)
+
+FAIR_LEAVE = Script(
+    "fair_leave",
+    """
+-- A waiter of a fair lock gives up (or its attempt's outcome is unknown): out of the
+-- queue, the lock deleted if that attempt took it, a tombstone against a late arrival,
+-- and the waiters woken (the queue's head may have changed).
+-- KEYS[1] lease key, KEYS[2] the attempt's tombstone, KEYS[3] the queue, KEYS[4] the
+-- liveness hash; ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
+-- ARGV[4] the client's origin id; returns 1 if it deleted the lock's key
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+local current = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ':'
+local deleted = 0
+if current and string.sub(current, 1, #mine) == mine then
+  redis.call('DEL', KEYS[1])
+  deleted = 1
+end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return deleted
 """,
 )

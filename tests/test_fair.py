@@ -1,0 +1,219 @@
+"""Fair locks: ``lease(redis, name, fair=True)`` is taken in arrival order (issue 20, B).
+
+Waiters queue in Redis by the server's clock; across clients and processes they enter
+in the order they came, one that gives up leaves at once, and one that dies holds the
+queue up for a bounded time only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import AcquireTimeout, LockBusy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _queue(prefix: str, name: str) -> str:
+    return f"{prefix}{{{name}}}:queue"
+
+
+async def test_waiters_of_many_clients_enter_in_arrival_order(
+    redis_server: object, make_client: Callable[..., Redis], prefix: str
+) -> None:
+    """8 waiters over 4 clients (one with str replies), each queued before the next
+    comes: once the holder releases, they enter in exactly that order."""
+    clients = [make_client(), make_client(decode_responses=True), make_client(), make_client()]
+    observer = make_client()
+    holder = await asynclock.acquire(clients[0], "line", ttl=5, fair=True, prefix=prefix)
+    order: list[int] = []
+
+    async def waiter(index: int) -> None:
+        async with asynclock.lease(clients[index % 4], "line", ttl=5, fair=True, prefix=prefix):
+            order.append(index)
+            await asyncio.sleep(0.005)
+
+    tasks = []
+    for index in range(8):
+        tasks.append(asyncio.create_task(waiter(index)))
+        count = index + 1
+        await wait_until(
+            lambda count=count: _counted(observer, _queue(prefix, "line"), count), what="queued"
+        )
+    await holder.release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert order == list(range(8))
+    assert not await observer.exists(_queue(prefix, "line"))  # (nobody left in it)
+
+
+async def _counted(client: Redis, key: str, count: int) -> bool:
+    return bool(await client.zcard(key) >= count)
+
+
+_WAITER = """
+import asyncio, sys
+from redis.asyncio import Redis
+import asynclock
+
+async def main(url, prefix, me):
+    redis = Redis.from_url(url)
+    async with asynclock.lease(redis, "procs", ttl=5, fair=True, prefix=prefix):
+        await redis.rpush(prefix + "entered", me)
+    await redis.aclose()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+async def test_processes_enter_in_arrival_order(
+    client: Redis, redis_server: object, prefix: str
+) -> None:
+    """Four processes queue one after another behind our holder: they enter in the
+    order they queued."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    holder = await asynclock.acquire(client, "procs", ttl=5, fair=True, prefix=prefix)
+    procs = []
+    try:
+        for index in range(4):
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", _WAITER, url, prefix, str(index), env=_env()
+                )
+            )
+            count = index + 1
+            await wait_until(
+                lambda count=count: _counted(client, _queue(prefix, "procs"), count),
+                limit=30,
+                what="queued",
+            )
+        await holder.release()
+        codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), 60)
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert codes == [0, 0, 0, 0]
+    entered = [int(x) for x in await client.lrange(prefix + "entered", 0, -1)]
+    assert entered == [0, 1, 2, 3]
+
+
+async def test_a_waiter_that_gives_up_leaves_the_queue_at_once(client: Redis, prefix: str) -> None:
+    """The first in the queue is cancelled, the second times out: the third enters as
+    soon as the holder releases, and the queue holds nobody who left."""
+    holder = await asynclock.acquire(client, "leave", ttl=5, fair=True, prefix=prefix)
+    queue = _queue(prefix, "leave")
+
+    async def wait(blocking_timeout: float | None = None) -> None:
+        async with asynclock.lease(
+            client, "leave", ttl=5, fair=True, prefix=prefix, blocking_timeout=blocking_timeout
+        ):
+            pass
+
+    first = asyncio.create_task(wait())
+    await wait_until(lambda: _counted(client, queue, 1), what="first queued")
+    second = asyncio.create_task(wait(blocking_timeout=0.5))
+    await wait_until(lambda: _counted(client, queue, 2), what="second queued")
+    third = asyncio.create_task(wait())
+    await wait_until(lambda: _counted(client, queue, 3), what="third queued")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    with pytest.raises(AcquireTimeout):
+        await second
+    assert await client.zcard(queue) == 1  # (only the third)
+    released = time.monotonic()
+    await holder.release()
+    await asyncio.wait_for(third, 5)
+    assert time.monotonic() - released < 0.5
+
+
+_DOOMED = """
+import asyncio, sys
+from redis.asyncio import Redis
+import asynclock
+
+async def main(url, prefix):
+    redis = Redis.from_url(url)
+    async with asynclock.lease(redis, "dead", ttl=5, fair=True, prefix=prefix):
+        pass
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_dead_waiter_holds_the_queue_up_for_a_bounded_time(
+    client: Redis, redis_server: object, prefix: str
+) -> None:
+    """A process queued first is SIGKILLed; our waiter, queued behind it, enters within
+    FAIR_PATIENCE (2 s) plus a retry period of the holder's release, not never."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    holder = await asynclock.acquire(client, "dead", ttl=5, fair=True, prefix=prefix)
+    queue = _queue(prefix, "dead")
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _DOOMED, url, prefix, env=_env()
+    )
+    try:
+        await wait_until(lambda: _counted(client, queue, 1), limit=30, what="doomed queued")
+        doomed.send_signal(signal.SIGKILL)
+        await doomed.wait()
+        ours = asyncio.create_task(
+            asynclock.acquire(client, "dead", ttl=5, fair=True, prefix=prefix)
+        )
+        await wait_until(lambda: _counted(client, queue, 2), what="ours queued")
+        released = time.monotonic()
+        await holder.release()
+        lease = await asyncio.wait_for(ours, 10)
+        waited = time.monotonic() - released
+        await lease.release()
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
+    assert waited < 2.0 + 1.0 + 1.0, waited  # FAIR_PATIENCE, a retry period, slack
+
+
+async def test_no_waiting_for_a_held_fair_lock(client: Redis, prefix: str) -> None:
+    async with asynclock.lease(client, "busy", ttl=5, fair=True, prefix=prefix):
+        with pytest.raises(LockBusy) as busy:  # (another task: another contender)
+            await asyncio.create_task(
+                asynclock.acquire(client, "busy", fair=True, blocking=False, prefix=prefix)
+            )
+    assert busy.value.retry_after is not None
+    assert not await client.exists(_queue(prefix, "busy"))  # (a single try never queues)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"fair": "yes"}, TypeError, "fair must be a bool"),
+        ({"fair": 1}, TypeError, "fair must be a bool"),
+        ({"fair": True, "limit": 2}, ValueError, "cannot be given with limit"),
+    ],
+)
+async def test_bad_fair_arguments_are_refused_before_any_io(
+    kwargs: dict[str, object], error: type[Exception], text: str
+) -> None:
+    nowhere = Redis(host="127.0.0.1", port=1)  # (nothing listens there)
+    with pytest.raises(error, match=text):
+        asynclock.lease(nowhere, "x", **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(error, match=text):
+        await asynclock.acquire(nowhere, "x", **kwargs)  # type: ignore[arg-type]
+    await nowhere.aclose()
