@@ -25,6 +25,7 @@ from ._lease import Lease, LeaseState
 from ._options import LeaseOptions
 from ._permits import PermitAcquisition
 from ._release import Wake, give_back, settle, unretain
+from ._shared import SharedAcquisition
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 
@@ -42,6 +43,8 @@ async def take(
     companion.check_not_holding(options.key, options.name)
     if options.fair:
         return await _take_fair(companion, options, hook)
+    if options.shared:
+        return await _take_shared(companion, options, hook)
     companion.retain()
     companion.check_eviction_once()
     try:
@@ -87,6 +90,21 @@ async def _take_fair(companion: Companion, options: LeaseOptions, hook: EventHoo
         await unretain(companion)
         raise
     return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+
+
+async def _take_shared(
+    companion: Companion, options: LeaseOptions, hook: EventHook | None
+) -> Lease:
+    """``take()`` for a shared lease (see ``_shared``): a lease on a key of its own."""
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await SharedAcquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    held = options.for_reader(grant.token)
+    return Lease(held, companion, grant.token, grant.fencing_token, grant.t_send, hook)
 
 
 class LeaseContext:
@@ -167,6 +185,7 @@ def lease(
     max_hold: float | timedelta | None = None,
     limit: int = 1,
     fair: bool = False,
+    shared: bool = False,
 ) -> LeaseContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -211,6 +230,11 @@ def lease(
             processes (a queue in Redis); a waiter that dies holds the queue up for at
             most about 3 s, one that gives up not at all. Only for a plain lock (not
             with ``limit``); a plain ``lease()`` of the same name does not queue.
+        shared: a shared (read) lease: any number of them hold the lock at once, none
+            beside an exclusive (plain) lease of the name; while an exclusive lease
+            waits, new shared ones wait behind it, so writers are not starved. Each is
+            renewed, lost and released as any lease. Not with ``limit``, ``fair`` or
+            ``hold_at_least``.
 
     Raises (when the block is entered):
         LockBusy: ``blocking=False`` and another lease holds the lock (every permit).
@@ -246,6 +270,7 @@ def lease(
         max_hold,
         limit,
         fair,
+        shared,
     )
     return LeaseContext(redis, options, on_event)
 
@@ -265,6 +290,7 @@ async def acquire(
     max_hold: float | timedelta | None = None,
     limit: int = 1,
     fair: bool = False,
+    shared: bool = False,
 ) -> Lease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -294,6 +320,7 @@ async def acquire(
         max_hold,
         limit,
         fair,
+        shared,
     )
     held = await take(redis, options, on_event)
     held._start(None)
@@ -315,6 +342,7 @@ def _options(
     max_hold: object = None,
     limit: object = 1,
     fair: object = False,
+    shared: object = False,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
@@ -333,4 +361,5 @@ def _options(
         max_hold,
         limit,
         fair,
+        shared,
     )

@@ -11,9 +11,9 @@ gives up (cancelled, timed out) leaves at once (FAIR_LEAVE), waking the others.
 
 Unlike the plain lock's line, where only the head of a client's line tries, every fair
 waiter of a client tries on each release: its place in the queue is the server's, and a
-client's own order would not match it. A release wakes them all (one broadcast waiter
-per client and lock stands in the client's waiting room for them), and the lock is
-never handed over within a client (``_release``). A plain ``lease()`` of the same name
+client's own order would not match it. A release wakes them all (they listen to the
+lock's channel in the client's waiting room, outside its line), and the lock is never
+handed over within a client (``_release``). A plain ``lease()`` of the same name
 does not queue: it takes the lock whenever it finds it free.
 """
 
@@ -33,7 +33,6 @@ from ._lane import not_sent
 from ._options import LeaseOptions
 from ._scripts import FAIR_ACQUIRE, FAIR_LEAVE, UNKNOWN_OUTCOME, Arg, run_idempotent
 from ._shield import finish
-from ._wakeup import Waiter, WaitingRoom
 
 __all__ = ["FAIR_PATIENCE", "FairAcquisition", "FairGrant"]
 
@@ -55,42 +54,6 @@ class FairGrant:
         self.token = token
         self.fencing_token = fencing_token
         self.t_send = t_send
-
-
-class _Broadcast(asyncio.Event):
-    """The event of the one waiter that stands in a client's waiting room for all its
-    fair waiters of a lock: the room sets it on a release, which wakes every one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.targets: set[asyncio.Event] = set()
-
-    def set(self) -> None:
-        for target in self.targets:
-            target.set()
-
-
-_STANDINS: dict[tuple[WaitingRoom, str], Waiter] = {}  # (room, channel) -> its stand-in
-
-
-def _join(room: WaitingRoom, channel: str, event: asyncio.Event) -> None:
-    standin = _STANDINS.get((room, channel))
-    if standin is None:
-        standin = _STANDINS[(room, channel)] = Waiter()
-        standin.event = _Broadcast()
-        room.join(channel, standin)
-    cast(_Broadcast, standin.event).targets.add(event)
-
-
-def _leave(room: WaitingRoom, channel: str, event: asyncio.Event) -> None:
-    standin = _STANDINS.get((room, channel))
-    if standin is None:
-        return
-    targets = cast(_Broadcast, standin.event).targets
-    targets.discard(event)
-    if not targets:
-        del _STANDINS[(room, channel)]
-        room.leave(channel, standin, wake_next=True)
 
 
 class FairAcquisition:
@@ -137,7 +100,7 @@ class FairAcquisition:
         room = self._companion.room
         channel = options.channel
         event = asyncio.Event()
-        _join(room, channel, event)
+        room.listen(channel, event)
         subscribed = False
         try:
             while True:
@@ -166,7 +129,7 @@ class FairAcquisition:
                 except TimeoutError:
                     pass
         finally:
-            _leave(room, channel, event)
+            room.unlisten(channel, event)
 
     def _usable(self, t_send: float) -> bool:
         """Whether a lock taken by an attempt sent at ``t_send`` leaves at least a third

@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import ClassVar, Final, final
+from typing import Final, final
 
 import anyio
 import anyio.lowlevel
@@ -32,7 +32,16 @@ from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
 from ._release import Wake, give_back, give_back_storing, settle
-from ._scripts import RENEW, RENEW_HEAD, Arg, Script, run_idempotent, unpack_arg
+from ._scripts import (
+    RENEW,
+    RENEW_HEAD,
+    SHARED_RENEW,
+    SHARED_RENEW_HEAD,
+    Arg,
+    Script,
+    run_idempotent,
+    unpack_arg,
+)
 from ._shield import cancel_dropped, cancelling
 from ._watchdog import report_stall
 
@@ -344,8 +353,8 @@ class Lease:
     def _owner(self) -> str:
         """The key's value while we own it: ``<token>:<fencing token>``."""
         value = self._value
-        if isinstance(value, bytes):
-            return unpack_arg(value, 1).decode("ascii")
+        if isinstance(value, bytes):  # (packed by _renew_tail: after the keys)
+            return unpack_arg(value, 3 if self._options.shared else 1).decode("ascii")
         return value
 
     def _loss_error(self) -> LockLost:
@@ -442,7 +451,11 @@ class Lease:
         client = self._companion.renewer()
         t_send = self._companion.loop.time()
         async with asyncio.timeout(limit):
-            reply = await RENEW(client, [self.key], [self._owner(), self._options.ttl_ms])
+            options = self._options
+            keys = [self.key]
+            if options.shared:
+                keys += (options.base_key, options.readers_key)
+            reply = await self._renew_script(client, keys, [self._owner(), options.ttl_ms])
         if reply != 1:
             self._found_not_ours()
             return False
@@ -467,20 +480,35 @@ class Lease:
         self._event(LeaseEventKind.RENEWED)
         return True
 
-    # The kind of lock: a mutex. (The watchdog renews any lease through these three;
-    # see docs/architecture.md, the seam a kind implements.)
-    _renew_script: ClassVar[Script] = RENEW
-    _renew_head: ClassVar[bytes] = RENEW_HEAD
+    # The kind of lock's renewal. (The watchdog renews any lease through these three;
+    # see docs/architecture.md, the seam a kind implements.) A lease of a mutex, of a
+    # semaphore's permit and of a fair lock renews its own key with RENEW; a shared
+    # lease renews its key and the lock's shared marker with SHARED_RENEW.
+
+    @property
+    def _renew_script(self) -> Script:
+        return SHARED_RENEW if self._options.shared else RENEW
+
+    @property
+    def _renew_head(self) -> bytes:
+        return SHARED_RENEW_HEAD if self._options.shared else RENEW_HEAD
 
     def _renew_tail(self) -> bytes:
-        """The arguments of this lease's RENEW call in RESP: key, value, ttl in ms (they
-        never change). Packed at the first renewal; from then on they are the only copy
+        """The keys and arguments of this lease's renew call in RESP (they never change):
+        key, value, ttl in ms; a shared lease's: its key, the lock's key, the readers'
+        set, value, ttl. Packed at the first renewal; from then on they are the only copy
         of the value (see ``_owner``), which keeps a held lease small."""
         value = self._value
         if isinstance(value, bytes):
             return value
         options = self._options
-        self._value = packed = self._companion.pack_args(options.key, value, options.ttl_ms)
+        if options.shared:
+            packed = self._companion.pack_args(
+                options.key, options.base_key, options.readers_key, value, options.ttl_ms
+            )
+        else:
+            packed = self._companion.pack_args(options.key, value, options.ttl_ms)
+        self._value = packed
         return packed
 
     def _found_not_ours(self) -> None:

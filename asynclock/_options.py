@@ -135,8 +135,12 @@ class LeaseOptions:
     """How many leases may hold the lock at once (1: a mutex; more: a semaphore)."""
     fair: bool = False
     """Waiters take the lock in the order they came, across processes (see ``_fair``)."""
+    shared: bool = False
+    """Many shared holders at once, none beside an exclusive one (see ``_shared``)."""
     slot: int = -1
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
+    reader: str = ""
+    """For a shared lease held: its token (its key is the lock's key + ``:reader:<it>``)."""
     key: str = field(init=False)
     """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock); a
     semaphore's permit ``slot``: ``<prefix>{<name>}:permit:<slot>``."""
@@ -148,6 +152,8 @@ class LeaseOptions:
     def __post_init__(self) -> None:
         base = f"{self.prefix}{{{self.name}}}"
         key = base if self.slot < 0 else f"{base}:permit:{self.slot}"
+        if self.reader:
+            key = f"{base}:reader:{self.reader}"
         object.__setattr__(self, "key", key)
         object.__setattr__(self, "ttl_ms", max(1, round(self.ttl * 1000)))
         fence_ttl = self.fence_ttl or default_fence_ttl(self.ttl)
@@ -174,6 +180,15 @@ class LeaseOptions:
         """A semaphore's ``limit`` permit keys, in slot order."""
         base = self.base_key
         return [f"{base}:permit:{slot}" for slot in range(self.limit)]
+
+    @property
+    def readers_key(self) -> str:
+        """The sorted set of a lock's shared holders (token -> until, server ms)."""
+        return self.base_key + ":readers"
+
+    def for_reader(self, token: str) -> LeaseOptions:
+        """These options for a shared lease held with ``token`` (its own key)."""
+        return replace(self, reader=token)
 
     def permit(self, slot: int) -> LeaseOptions:
         """These options for a permit held in ``slot`` (its own key; cached)."""
@@ -219,6 +234,7 @@ class LeaseOptions:
         max_hold: object = None,
         limit: object = 1,
         fair: object = False,
+        shared: object = False,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -241,6 +257,7 @@ class LeaseOptions:
                 max_hold,
                 limit,
                 fair,
+                shared,
                 type(name),
                 type(ttl),
                 type(blocking),
@@ -252,6 +269,7 @@ class LeaseOptions:
                 type(max_hold),
                 type(limit),
                 type(fair),
+                type(shared),
             )
             try:
                 return _BUILT[key]
@@ -315,6 +333,13 @@ class LeaseOptions:
             raise TypeError(f"fair must be a bool, not {type(fair).__name__}")
         if fair and limit > 1:
             raise ValueError("fair=True is for a plain lock: it cannot be given with limit")
+        if not isinstance(shared, bool):
+            raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
+        if shared and (limit > 1 or fair or hold):
+            raise ValueError(
+                "shared=True cannot be given with limit, fair or hold_at_least (a shared "
+                "lease is one of many readers of a plain lock)"
+            )
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -331,6 +356,7 @@ class LeaseOptions:
             max_hold=most,
             limit=limit,
             fair=fair,
+            shared=shared,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:

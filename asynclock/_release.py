@@ -24,7 +24,7 @@ from ._connections import Companion
 from ._events import LeaseEventKind
 from ._exceptions import LossReason
 from ._options import LeaseOptions
-from ._scripts import HANDOFF, RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
+from ._scripts import HANDOFF, RELEASE, SHARED_RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
 from ._shield import finish, finish_idempotent
 from ._wakeup import Waiter
 
@@ -91,8 +91,9 @@ async def give_back(held: Held, *, shielded: bool) -> Wake:
         or successor.grant is not None
         or held._options.limit > 1
         or held._options.fair
+        or held._options.shared
     ):
-        successor = None  # (permits and fair locks are not handed over: _permits, _fair)
+        successor = None  # (only a mutex's lease is handed over: see _permits, _fair)
     t_offer = held._companion.loop.time()
     keep_ms = 0  # (hold_at_least: the key is kept this long rather than deleted)
     keep_until = held._keep_until
@@ -246,10 +247,14 @@ async def _release(
     options = held._options
     room = companion.room
     script: Script
-    if successor is None:
+    if successor is None and options.shared:
+        script = SHARED_RELEASE
+        keys = [options.key, options.base_key, options.readers_key]
+        args: list[Arg] = [held._owner(), options.channel, room.origin]
+    elif successor is None:
         script = RELEASE
         keys = [options.key]
-        args: list[Arg] = [held._owner(), options.channel, room.origin]
+        args = [held._owner(), options.channel, room.origin]
         if keep_ms:
             args.append(keep_ms)
     else:

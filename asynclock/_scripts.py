@@ -50,6 +50,11 @@ __all__ = [
     "RENEW_HEAD",
     "SEMAPHORE_ABANDON",
     "SEMAPHORE_ACQUIRE",
+    "SHARED_ABANDON",
+    "SHARED_ACQUIRE",
+    "SHARED_RELEASE",
+    "SHARED_RENEW",
+    "SHARED_RENEW_HEAD",
     "STORE",
     "UNKNOWN_OUTCOME",
     "Arg",
@@ -713,5 +718,155 @@ if current and string.sub(current, 1, #mine) == mine then
 end
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return deleted
+""",
+)
+
+
+# -- shared (read) leases ----------------------------------------------------------------
+# While shared leases hold a lock, its key holds the marker 'shared' (so an exclusive
+# ACQUIRE finds it taken, and waits) with an expiry no earlier than any of theirs; each
+# shared holder has a lease key of its own, '<lock key>:reader:<token>', and a member
+# in the sorted set '<lock key>:readers' (token -> server time in ms until which it
+# lives). The last one out deletes the marker and announces the release.
+
+_SHARED_DROP = """
+-- (shared) drop the reader ARGV[1]'s token `token` from KEYS[3] and expired readers;
+-- the last one out deletes the marker KEYS[2] and announces it on ARGV[2] (ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREM', KEYS[3], token)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if redis.call('ZCARD', KEYS[3]) == 0 then
+  if redis.call('GET', KEYS[2]) == 'shared' then
+    redis.call('DEL', KEYS[2])
+    redis.call('PUBLISH', ARGV[2], ARGV[3])
+  end
+  redis.call('DEL', KEYS[3])
+end
+"""
+
+SHARED_ACQUIRE = Script(
+    "shared_acquire",
+    """
+-- KEYS[1] the lock's key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
+-- KEYS[4] the lock's waiting hash (exclusive waiters, see ACQUIRE), KEYS[5] the readers,
+-- KEYS[6] this reader's own key; ARGV[1] token, ARGV[2] ttl (ms), ARGV[3] fence ttl (ms)
+-- returns {1, fencing token} when held by this token (new, or a retry of ours),
+--         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an
+--         exclusive waiter registered (shared holders let it in first),
+--         {-1, 0} when this attempt was abandoned (its tombstone exists)
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {-1, 0}
+end
+local mine = ARGV[1] .. ':'
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+local current = redis.call('GET', KEYS[6])
+local result
+if current and string.sub(current, 1, #mine) == mine then
+  result = tonumber(string.match(current, '^[^:]*:(%d+)'))
+  redis.call('PEXPIRE', KEYS[6], ttl)
+else
+  local holder = redis.call('GET', KEYS[1])
+  if holder and holder ~= 'shared' then
+    return {0, redis.call('PTTL', KEYS[1])}
+  end
+  local waiting = redis.call('HGETALL', KEYS[4])
+  for i = 2, #waiting, 2 do
+    local until_ms = tonumber(string.match(waiting[i], '^%d+:(%d+)'))
+    if until_ms and until_ms > now then
+      local pttl = redis.call('PTTL', KEYS[1])
+      if pttl < 0 or pttl > 1000 then pttl = 1000 end
+      return {0, pttl}
+    end
+  end
+"""
+    + _MINT_FENCE.replace("\n", "\n  ")
+    + """  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+  redis.call('SET', KEYS[6], mine .. text, 'PX', ttl)
+  result = fence
+end
+redis.call('ZADD', KEYS[5], now + ttl, ARGV[1])
+if redis.call('PTTL', KEYS[5]) < ttl then
+  redis.call('PEXPIRE', KEYS[5], ttl)
+end
+if not redis.call('SET', KEYS[1], 'shared', 'PX', ttl, 'NX') then
+  if redis.call('PTTL', KEYS[1]) < ttl then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+  end
+end
+return {1, result}
+""",
+)
+
+SHARED_RENEW = Script(
+    "shared_renew",
+    """
+-- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
+-- ARGV[1] the reader's full value, ARGV[2] ttl (ms)
+-- returns 1 when still ours (its key, its member and the marker now live >= ttl), else 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= 'shared' then
+  return 0  -- (an exclusive holder got in: the marker was deleted from outside)
+end
+local ttl = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('ZADD', KEYS[3], now + ttl, string.match(ARGV[1], '^([^:]*):'))
+if redis.call('PTTL', KEYS[3]) < ttl then
+  redis.call('PEXPIRE', KEYS[3], ttl)
+end
+if not holder then
+  redis.call('SET', KEYS[2], 'shared', 'PX', ttl)
+elseif redis.call('PTTL', KEYS[2]) < ttl then
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return 1
+""",
+)
+
+SHARED_RENEW_HEAD: Final = b"*8\r\n" + pack_args(("EVALSHA", SHARED_RENEW.sha, 3))
+"""The start of a packed SHARED_RENEW command; the reader's key, the lock's key, the
+readers' set, the reader's value and ttl (ms) follow."""
+
+SHARED_RELEASE = Script(
+    "shared_release",
+    """
+-- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
+-- ARGV[1] the reader's full value, ARGV[2] the release channel, ARGV[3] our origin id
+-- returns 1 when our reader key was deleted (the marker too if we were the last), else 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+local token = string.match(ARGV[1], '^([^:]*):')
+"""
+    + _SHARED_DROP
+    + """return 1
+""",
+)
+
+SHARED_ABANDON = Script(
+    "shared_abandon",
+    """
+-- Undo a shared acquire attempt that may have landed, and stop it from landing later.
+-- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers, KEYS[4] the
+-- attempt's tombstone; ARGV[1] token, ARGV[2] the release channel, ARGV[3] our origin
+-- id, ARGV[4] tombstone ttl (ms); returns 1 if it gave a shared hold back
+redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
+local current = redis.call('GET', KEYS[1])
+local token = ARGV[1]
+if not (current and string.sub(current, 1, #token + 1) == token .. ':') then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+"""
+    + _SHARED_DROP
+    + """return 1
 """,
 )

@@ -93,6 +93,8 @@ class WaitingRoom:
         # Channel names come back as the bytes our connection encoded them to.
         self._encoding = encoding_in(settings)
         self._lines: dict[str, deque[Waiter]] = {}
+        # Waiters outside the lines (fair and shared ones: see listen), per channel.
+        self._listeners: dict[str, set[asyncio.Event]] = {}
         self.origin = secrets.token_hex(8)
         """Published with this client's releases, so it can tell its own notifications."""
         self._origin_bytes = self.origin.encode()
@@ -193,10 +195,28 @@ class WaitingRoom:
             line[0].event.set()
 
     def wake(self, channel: str) -> None:
-        """The lock on ``channel`` was released: wake the head of its line, if any."""
+        """The lock on ``channel`` was released: wake the head of its line, if any, and
+        every listener of the channel."""
         line = self._lines.get(channel)
         if line:
             line[0].event.set()
+        listeners = self._listeners.get(channel)
+        if listeners:
+            for event in listeners:
+                event.set()
+
+    def listen(self, channel: str, event: asyncio.Event) -> None:
+        """Set ``event`` at every release of the lock on ``channel`` (ours, or another
+        client's once subscribed): for waiters that all try at each release, outside the
+        lines, which are never handed a lock (a fair lock's, a shared lease's)."""
+        self._listeners.setdefault(channel, set()).add(event)
+
+    def unlisten(self, channel: str, event: asyncio.Event) -> None:
+        listeners = self._listeners.get(channel)
+        if listeners is not None:
+            listeners.discard(event)
+            if not listeners:
+                del self._listeners[channel]
 
     def wake_with_others(self, channel: str) -> None:
         """A release of ours found waiters of other clients registered: let them have the
@@ -232,6 +252,9 @@ class WaitingRoom:
     def _wake_all(self) -> None:
         for line in self._lines.values():
             line[0].event.set()
+        for listeners in self._listeners.values():
+            for event in listeners:
+                event.set()
 
     # -- the subscription --------------------------------------------------------------
 
@@ -257,7 +280,8 @@ class WaitingRoom:
             future = self._pending.get(channel)
             if future is None:
                 future = self._pending[channel] = asyncio.get_running_loop().create_future()
-                stale = self._subscribed - self._lines.keys() - {channel}
+                stale = self._subscribed - self._lines.keys() - self._listeners.keys()
+                stale.discard(channel)
                 if len(stale) >= _STALE_CHANNELS:
                     self._subscribed -= stale
                     self._confirmed -= stale  # (not listening from now on)
@@ -323,7 +347,7 @@ class WaitingRoom:
                     if reply is None:  # silence for _HEARTBEAT seconds
                         if pinged:
                             raise RedisConnectionError("the subscription did not answer a PING")
-                        if self._lines:  # (nobody waits: silence is fine)
+                        if self._lines or self._listeners:  # (else silence is fine)
                             await self._connection.send_command("PING")
                             pinged = True
                         continue
@@ -447,7 +471,7 @@ class WaitingRoom:
         nothing of its state is cleared under it.
         """
         await self._cancel_background()  # (first: a subscribe among them would reopen)
-        if self._lines:
+        if self._lines or self._listeners:
             return  # a waiter came while the background work ended: keep listening
         reader, self._reader = self._reader, None
         connection, self._connection = self._connection, None
