@@ -39,6 +39,8 @@ from ._once import Serializer as Serializer
 from ._once import forget as forget
 from ._once import idempotent as idempotent
 from ._once import once as once
+from ._statistics import LockStatistics as LockStatistics
+from ._statistics import statistics as statistics
 
 try:
     __version__ = _version("asynclock")
@@ -59,6 +61,7 @@ __all__ = [
     "LockBusy",
     "LockError",
     "LockLost",
+    "LockStatistics",
     "LossReason",
     "Serializer",
     "acquire",
@@ -67,6 +70,7 @@ __all__ = [
     "idempotent",
     "lease",
     "once",
+    "statistics",
 ]
 
 for _name in __all__:

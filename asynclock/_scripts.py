@@ -55,6 +55,7 @@ __all__ = [
     "SHARED_RELEASE",
     "SHARED_RENEW",
     "SHARED_RENEW_HEAD",
+    "STATISTICS",
     "STORE",
     "UNKNOWN_OUTCOME",
     "Arg",
@@ -868,5 +869,48 @@ redis.call('DEL', KEYS[1])
 """
     + _SHARED_DROP
     + """return 1
+""",
+)
+
+
+STATISTICS = Script(
+    "statistics",
+    """
+-- What holds a lock, and who waits for it, read in one step (nothing is written).
+-- KEYS[1] the lock's key, KEYS[2] its readers, KEYS[3] its permits' limit, KEYS[4] its
+-- waiting hash, KEYS[5] its fair queue, KEYS[6] the queue's liveness hash;
+-- ARGV[1] the stem of its permit keys ('<lock key>:permit:')
+-- returns {pttl of the lock's key (-2: none), 1 if it holds the shared marker, live
+-- readers, the permits' limit (0: none), permits held, clients registered waiting, live
+-- queued waiters}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local pttl = redis.call('PTTL', KEYS[1])
+local shared = 0
+if pttl ~= -2 and redis.call('GET', KEYS[1]) == 'shared' then
+  shared = 1
+end
+local readers = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
+local limit = tonumber(redis.call('GET', KEYS[3]) or '0')
+local permits = 0
+for i = 0, limit - 1 do
+  permits = permits + redis.call('EXISTS', ARGV[1] .. i)
+end
+local waiting = 0
+local entries = redis.call('HGETALL', KEYS[4])
+for i = 2, #entries, 2 do
+  local until_ms = tonumber(string.match(entries[i], '^%d+:(%d+)'))
+  if until_ms and until_ms > now then
+    waiting = waiting + 1
+  end
+end
+local queued = 0
+local alive = redis.call('HGETALL', KEYS[6])
+for i = 2, #alive, 2 do
+  if tonumber(alive[i]) > now then
+    queued = queued + 1
+  end
+end
+return {pttl, shared, readers, limit, permits, waiting, queued}
 """,
 )

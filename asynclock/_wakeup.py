@@ -211,6 +211,10 @@ class WaitingRoom:
         lines, which are never handed a lock (a fair lock's, a shared lease's)."""
         self._listeners.setdefault(channel, set()).add(event)
 
+    def listeners(self, channel: str) -> int:
+        """How many waiters listen to ``channel`` outside its line (see ``listen``)."""
+        return len(self._listeners.get(channel, ()))
+
     def unlisten(self, channel: str, event: asyncio.Event) -> None:
         listeners = self._listeners.get(channel)
         if listeners is not None:

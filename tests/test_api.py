@@ -28,6 +28,7 @@ def test_public_names_are_pinned() -> None:
         "LockBusy",
         "LockError",
         "LockLost",
+        "LockStatistics",
         "LossReason",
         "Serializer",
         "acquire",
@@ -36,6 +37,7 @@ def test_public_names_are_pinned() -> None:
         "idempotent",
         "lease",
         "once",
+        "statistics",
     }
     for name in asynclock.__all__:
         assert getattr(asynclock, name) is not None
