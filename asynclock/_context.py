@@ -40,7 +40,8 @@ async def take(
     companion = companion_for(redis)
     if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
         return await _take_permit(companion, options, hook)
-    companion.check_not_holding(options.key, options.name)
+    # (a shared lease too: taken again while a writer waits, it would wait for itself)
+    companion.check_not_holding(options.base_key, options.name)
     if options.fair:
         return await _take_fair(companion, options, hook)
     if options.shared:
@@ -129,7 +130,7 @@ class LeaseContext:
         scope = held._companion.cancel_scope()
         scope.__enter__()
         held._start(scope)
-        self._entry = held._companion.holding(held.key)
+        self._entry = held._companion.holding(held._options.base_key)  # (any kind's)
         held._event(LeaseEventKind.ACQUIRED)
         return held
 

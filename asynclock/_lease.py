@@ -595,7 +595,7 @@ class LeaseGuard:
         scope.__enter__()
         self._scope = scope
         held._guards = (*held._guards, scope)
-        self._entry = held._companion.holding(held.key)
+        self._entry = held._companion.holding(held._options.base_key)
         return held
 
     async def __aexit__(

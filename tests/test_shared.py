@@ -221,3 +221,15 @@ async def test_bad_shared_arguments_are_refused_before_any_io(
     with pytest.raises(error, match=text):
         await asynclock.acquire(nowhere, "x", **kwargs)  # type: ignore[arg-type]
     await nowhere.aclose()
+
+
+async def test_a_task_holding_a_shared_lease_cannot_take_the_lock_again(
+    client: Redis, prefix: str
+) -> None:
+    """Not re-entrant, as any lease: exclusively it would wait for its own shared hold,
+    and shared again it would wait behind a writer that waits for it."""
+    async with asynclock.lease(client, "again", shared=True, ttl=5, prefix=prefix):
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            await asynclock.acquire(client, "again", ttl=5, prefix=prefix)
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            await asynclock.acquire(client, "again", shared=True, ttl=5, prefix=prefix)
