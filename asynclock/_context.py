@@ -24,7 +24,8 @@ from ._fair import FairAcquisition
 from ._lease import Lease, LeaseState
 from ._options import LeaseOptions
 from ._permits import PermitAcquisition
-from ._release import Wake, give_back, settle, unretain
+from ._release import Wake, after_release, unretain
+from ._release import release as release_lease
 from ._shared import SharedAcquisition
 
 __all__ = ["LeaseContext", "acquire", "lease"]
@@ -160,13 +161,13 @@ class LeaseContext:
         wake = Wake.OURS
         try:
             try:
-                wake = await give_back(held, shielded=inside)
+                wake = await release_lease(held, shielded=inside)
             finally:
                 if inside:
                     scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
         finally:
             held._companion.left(self._entry)
-            await settle(held, wake)
+            await after_release(held, wake)
         if held.state is LeaseState.LOST:  # (our scope only cancels the body then)
             held._raise_loss(body_error, "this block")
 

@@ -131,10 +131,10 @@ class Lane:
             else:
                 reply = await self._bounded(connection, packed, ends)
         except BaseException:
-            await self._give_back(connection, saved)
+            await self._return_connection(connection, saved)
             raise
         if self._closing:  # the event loop is shutting down: nothing stays borrowed
-            await self._give_back(connection, saved)
+            await self._return_connection(connection, saved)
         else:
             self._idle.append((connection, saved))
         return reply
@@ -206,7 +206,7 @@ class Lane:
             self._keeper = self._loop.create_task(self._keep(), name="asynclock-lane")
         return connection, (float(timeout) if timeout else None)
 
-    async def _give_back(self, connection: Any, saved_timeout: float | None) -> None:
+    async def _return_connection(self, connection: Any, saved_timeout: float | None) -> None:
         """Restore the connection's timeout and return it to the pool; a cancellation
         while the pool's lock is awaited does not leave it counted as in use."""
         connection.socket_timeout = saved_timeout
@@ -243,7 +243,7 @@ class Lane:
         while self._idle:
             connection, saved = self._idle.pop()
             with contextlib.suppress(Exception):
-                await self._give_back(connection, saved)
+                await self._return_connection(connection, saved)
 
 
 _NOT_SENT: Final = "_asynclock_not_sent"

@@ -31,7 +31,8 @@ from ._connections import Companion, HoldEntry
 from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
 from ._exceptions import LockLost, LossReason
 from ._options import LeaseOptions
-from ._release import Wake, give_back, give_back_storing, settle
+from ._release import Wake, after_release, release_storing
+from ._release import release as release_lease
 from ._scripts import (
     RENEW,
     RENEW_HEAD,
@@ -283,12 +284,12 @@ class Lease:
             try:
                 self._overran("the release")
                 if give is None:
-                    wake = await give_back(self, shielded=False)
+                    wake = await release_lease(self, shielded=False)
                 else:  # (once(): the result stored with the release, see _release)
                     wake = await give(self)
             finally:
                 try:
-                    await settle(self, wake)
+                    await after_release(self, wake)
                 finally:
                     self._released.set()
         if self._state is LeaseState.LOST:
@@ -308,8 +309,8 @@ class Lease:
             nonlocal stored
             if held._state is LeaseState.LOST:  # (lost: a plain release, nothing stored)
                 stored = False
-                return await give_back(held, shielded=False)
-            stored = await give_back_storing(held, keys, args)
+                return await release_lease(held, shielded=False)
+            stored = await release_storing(held, keys, args)
             return Wake.OURS
 
         await self._release(give)

@@ -5,7 +5,7 @@ Design note. The release runs shielded from cancellation and every exchange ends
 the key then expires by its TTL. With a waiter in this client's line the HANDOFF script
 gives it the key in the same round trip (see ``_wakeup``). A release's "not ours" answer
 is a proven loss only when it is the first attempt's and arrived before ``safe_until``
-(see ``_release``); anything else proves nothing and is not reported as a loss.
+(see ``_send_release``); anything else proves nothing and is not reported as a loss.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._scripts import HANDOFF, RELEASE, SHARED_RELEASE, STORE, UNKNOWN_OUTCOME, 
 from ._shield import finish, finish_idempotent
 from ._wakeup import Waiter
 
-__all__ = ["Held", "Wake", "give_back", "give_back_storing", "settle", "unretain"]
+__all__ = ["Held", "Wake", "after_release", "release", "release_storing", "unretain"]
 
 log = logging.getLogger("asynclock")
 
@@ -63,17 +63,17 @@ class Held(Protocol):
 
 
 class Wake(enum.Enum):
-    """Whom to wake once a lease was given back (see ``settle``)."""
+    """Whom to wake once a lease was given back (see ``after_release``)."""
 
     OURS = "ours"  # the head of this client's line, if any
     OTHERS = "others"  # other clients' waiters compete, or one was granted the key:
     # ours stands back a moment, then tries (and so learns how long to wait)
 
 
-async def give_back(held: Held, *, shielded: bool) -> Wake:
+async def release(held: Held, *, shielded: bool) -> Wake:
     """Stop renewing and release the key (shielded; every exchange ends within
     release_timeout), hand it to the next waiter of this client's line, or grant it to
-    a waiter of another client. Returns whom to wake (see ``settle``).
+    a waiter of another client. Returns whom to wake (see ``after_release``).
 
     A renewal of this lease may still be in flight in a batch with other leases'; it
     is not waited for: the renew script is owner-checked, so landing after the
@@ -118,7 +118,7 @@ async def give_back(held: Held, *, shielded: bool) -> Wake:
     def release() -> Coroutine[Any, Any, _Outcome | None]:
         nonlocal runs
         runs += 1  # a second run (after a native cancellation) is not definitive
-        return _release(
+        return _send_release(
             held,
             keep_ms=keep_ms,
             first=runs == 1,
@@ -152,7 +152,7 @@ async def give_back(held: Held, *, shielded: bool) -> Wake:
     return Wake.OURS
 
 
-async def give_back_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
+async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
     """Stop renewing a lease of ``once()`` and, in one owner-checked step, store its job's
     result and delete its key (the STORE script: ``keys``, and ``args`` after the
     lease's value), shielded, every exchange within ``release_timeout``. No waiter is
@@ -218,7 +218,7 @@ class _Outcome(enum.Enum):
     NOT_OURS = "not ours"  # definitively not our key (see _release)
 
 
-async def _release(
+async def _send_release(
     held: Held,
     *,
     keep_ms: int,
@@ -325,7 +325,7 @@ async def _release(
 
 def _proves_loss(held: Held, first: bool) -> bool:
     """Whether a release's answer that the key was not ours, just received, proves the key
-    went early: the first attempt's, received before ``safe_until`` (see ``_release``)."""
+    went early: the first attempt's, received before ``safe_until`` (see ``_send_release``)."""
     return first and held._companion.loop.time() < held.safe_until
 
 
@@ -339,8 +339,8 @@ async def unretain(companion: Companion) -> None:
             log.debug("asynclock: closing side connections failed: %r", exc)
 
 
-async def settle(held: Held, wake: Wake) -> None:
-    """After ``give_back`` (whatever its outcome): mark the lease ended, wake the waiters
+async def after_release(held: Held, wake: Wake) -> None:
+    """After ``release`` (whatever its outcome): mark the lease ended, wake the waiters
     ``wake`` says, and let go of the companion."""
     held._end()
     room = held._companion.room

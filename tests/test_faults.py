@@ -414,7 +414,7 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
     that order certain: the check runs after the release script has answered.)"""
     import asynclock._release as release_module
 
-    real_release = release_module._release
+    real_release = release_module._send_release
     answers: list[object] = []
 
     async def release_then_check(held: asynclock.Lease, **kwargs: Any) -> object:
@@ -428,7 +428,7 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
                 answers.append(exc)
         return outcome
 
-    monkeypatch.setattr(release_module, "_release", release_then_check)
+    monkeypatch.setattr(release_module, "_send_release", release_then_check)
     events: list[asynclock.LeaseEvent] = []
     async with asynclock.lease(
         client, "checked", ttl=30, prefix=prefix, on_event=events.append
