@@ -18,29 +18,29 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from ._context import LeaseContext as LeaseContext
-from ._context import acquire as acquire
-from ._context import lease as lease
-from ._events import EventHook as EventHook
-from ._events import LeaseEvent as LeaseEvent
-from ._events import LeaseEventKind as LeaseEventKind
-from ._every import every as every
-from ._exceptions import AcquireTimeout as AcquireTimeout
-from ._exceptions import IdempotencyConflict as IdempotencyConflict
-from ._exceptions import LimitConflict as LimitConflict
-from ._exceptions import LockBusy as LockBusy
-from ._exceptions import LockError as LockError
-from ._exceptions import LockLost as LockLost
-from ._exceptions import LossReason as LossReason
-from ._lease import Lease as Lease
-from ._lease import LeaseGuard as LeaseGuard
-from ._lease import LeaseState as LeaseState
-from ._once import Serializer as Serializer
-from ._once import forget as forget
-from ._once import idempotent as idempotent
-from ._once import once as once
-from ._statistics import LockStatistics as LockStatistics
-from ._statistics import statistics as statistics
+from ._apps._every import every as every
+from ._apps._once import Serializer as Serializer
+from ._apps._once import forget as forget
+from ._apps._once import idempotent as idempotent
+from ._apps._once import once as once
+from ._apps._statistics import LockStatistics as LockStatistics
+from ._apps._statistics import statistics as statistics
+from ._base._events import EventHook as EventHook
+from ._base._events import LeaseEvent as LeaseEvent
+from ._base._events import LeaseEventKind as LeaseEventKind
+from ._base._exceptions import AcquireTimeout as AcquireTimeout
+from ._base._exceptions import IdempotencyConflict as IdempotencyConflict
+from ._base._exceptions import LimitConflict as LimitConflict
+from ._base._exceptions import LockBusy as LockBusy
+from ._base._exceptions import LockError as LockError
+from ._base._exceptions import LockLost as LockLost
+from ._base._exceptions import LossReason as LossReason
+from ._lifecycle._context import LeaseContext as LeaseContext
+from ._lifecycle._context import acquire as acquire
+from ._lifecycle._context import lease as lease
+from ._lifecycle._lease import Lease as Lease
+from ._lifecycle._lease import LeaseGuard as LeaseGuard
+from ._lifecycle._lease import LeaseState as LeaseState
 
 try:
     __version__ = _version("asynclock")

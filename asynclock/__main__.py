@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
-from ._context import lease
+from ._lifecycle._context import lease
 
 
 def _positive_float(text: str) -> float:
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace, command: list[str]) -> int:
-    from ._runner import RunConfig, run_command
+    from ._apps._runner import RunConfig, run_command
 
     parser: argparse.ArgumentParser = args.run_parser
     if not command:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._exceptions import LockLost, LossReason
-from ._lease import Lease, LeaseState
+from ._base._exceptions import LockLost, LossReason
+from ._lifecycle._lease import Lease, LeaseState
 
 __all__ = ["fence", "install"]
 

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 import asynclock
 from asynclock import LeaseEventKind, LeaseState, LockBusy, LockLost, LossReason
-from asynclock._connections import companion_for
+from asynclock._session._connections import companion_for
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 import asynclock
-from asynclock._connections import companion_for
+from asynclock._session._connections import companion_for
 
 
 def test_cancel_after_any_number_of_loop_steps_leaves_no_key(redis_server: Any, prefix: str):

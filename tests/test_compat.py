@@ -1,4 +1,4 @@
-"""What differs between redis-py majors and Pythons (``asynclock._compat``).
+"""What differs between redis-py majors and Pythons (``asynclock._redis._compat``).
 
 The shims are checked here against stand-ins for the older APIs, whatever redis-py is
 installed; ``./dev test`` also runs the contract tests on the oldest and the newest
@@ -22,14 +22,14 @@ from redis.exceptions import MaxConnectionsError, RedisError
 
 import asynclock
 from asynclock import AcquireTimeout, LockLost, LossReason
-from asynclock._compat import (
+from asynclock._redis._compat import (
     as_connection_error,
     as_max_connections_error,
     connection_errors,
     fit_settings,
     get_connection,
 )
-from asynclock._connections import connection_settings
+from asynclock._session._connections import connection_settings
 from asynclock.testing import FaultProxy, RedisServer
 
 # -- redis-py's APIs -------------------------------------------------------------------

@@ -153,7 +153,7 @@ async def test_cancelling_a_run_releases_the_lease(client: Redis, prefix: str) -
 async def test_cron_ticks(client: Redis, prefix: str) -> None:
     """A cron expression (every minute) instead of a period: the first tick is the next
     whole minute, UTC."""
-    from asynclock._every import _ticks
+    from asynclock._apps._every import _ticks
 
     ticks = _ticks(None, 0.0, "* * * * *")
     tick, gap = ticks(120.5)

@@ -23,7 +23,7 @@ from redis.exceptions import OutOfMemoryError
 
 import asynclock
 from asynclock import LeaseEventKind, LeaseState, LockLost, LossReason
-from asynclock._connections import companion_for
+from asynclock._session._connections import companion_for
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer
 
 

@@ -211,7 +211,7 @@ async def test_the_deadline_does_not_wait_for_a_renewal_to_unwind(
     """5: with the server stopped, a renewal in flight is cut off at the deadline; if its
     unwinding then takes a second (a graceful close waiting for the peer, a busy loop),
     the body is still cancelled at the deadline, not a second later."""
-    import asynclock._watchdog as watchdog
+    import asynclock._session._watchdog as watchdog
 
     real_exchange = watchdog.exchange
 
@@ -255,7 +255,7 @@ async def test_a_stray_cancellation_of_a_renewal_leaves_no_lease_unwatched(
     """A renewal whose task is cancelled by anything but the watchdog's own closing (a
     cancellation that escaped its time limit, say) is a failed attempt: retried, and
     the lease is lost at its deadline if none gets through, never left unwatched."""
-    from asynclock._watchdog import Watchdog
+    from asynclock._session._watchdog import Watchdog
 
     attempts = 0
 
@@ -279,7 +279,7 @@ async def test_a_watchdog_bug_is_a_loss_not_silence(
 ):
     """A watchdog that dies of a bug ends the lease (watchdog_failed) instead of leaving
     it unrenewed while the body runs on."""
-    from asynclock._watchdog import Watchdog
+    from asynclock._session._watchdog import Watchdog
 
     async def broken(self: Watchdog, batch: Any) -> Any:
         raise RuntimeError("a bug in the watchdog")
@@ -354,7 +354,7 @@ async def test_a_release_answered_after_the_deadline_proves_no_loss(
     nothing about the work, which was done in time: no ``LockLost``. The release's reply came
     after the deadline, which is what tells this apart from a key gone early. (Margins: the
     loop may stall up to 0.6 s before the exit, the release lands 0.6 s after the expiry.)"""
-    import asynclock._watchdog as watchdog
+    import asynclock._session._watchdog as watchdog
     from asynclock.testing import ProxyMode
 
     async def failing(target: Any, packed: bytes, count: int) -> list[object]:
@@ -412,7 +412,7 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
     the release is in flight, and its command lands after the release's delete: it finds
     the key gone, which is the release's own doing, not a loss. (The wrapped release makes
     that order certain: the check runs after the release script has answered.)"""
-    import asynclock._release as release_module
+    import asynclock._lifecycle._release as release_module
 
     real_release = release_module._send_release
     answers: list[object] = []

@@ -15,9 +15,9 @@ from helpers import Monitor, wait_until
 from redis.asyncio import Redis
 
 import asynclock
-from asynclock._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS
-from asynclock._connections import companion_for
-from asynclock._scripts import ABANDON, ACQUIRE, HANDOFF, RELEASE
+from asynclock._kinds._mutex import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS
+from asynclock._redis._scripts import ABANDON, ACQUIRE, HANDOFF, RELEASE
+from asynclock._session._connections import companion_for
 
 
 def _channel(name: str, prefix: str) -> str:

@@ -15,9 +15,9 @@ from helpers import wait_until
 from redis.asyncio import Redis
 
 import asynclock
-from asynclock._connections import companion_for
-from asynclock._lane import _LINGER
-from asynclock._scripts import pack
+from asynclock._redis._lane import _LINGER
+from asynclock._redis._scripts import pack
+from asynclock._session._connections import companion_for
 from asynclock.testing import RedisServer
 
 
@@ -182,7 +182,7 @@ def test_commands_are_packed_byte_for_byte_as_before():
     asynclock sends. Another encoding, or another type, goes the Python way."""
     from redis.utils import HIREDIS_AVAILABLE
 
-    from asynclock._scripts import HANDOFF, _pack_command, _packed, pack
+    from asynclock._redis._scripts import HANDOFF, _pack_command, _packed, pack
 
     # (redis[hiredis] is a dependency; the matrix's pure-Python leg uninstalls it, and
     # then every command goes the Python way, which must give the same bytes)

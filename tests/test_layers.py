@@ -18,9 +18,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "asynclock"
 FOREIGN = {
     # A connection of a loop that has closed is torn down by hand: its own close would
     # need the closed loop (redis-py's connection, asyncio's transport; see _leftovers).
-    ("_leftovers.py", "transport._sock"),
-    ("_leftovers.py", "connection._reader"),
-    ("_leftovers.py", "connection._writer"),
+    ("_redis/_leftovers.py", "transport._sock"),
+    ("_redis/_leftovers.py", "connection._reader"),
+    ("_redis/_leftovers.py", "connection._writer"),
 }
 
 

@@ -121,7 +121,7 @@ async def test_many_leases_are_renewed_in_bounded_batches(
     leaving early stops only its own renewals. (``test_watchdog`` takes the split of a
     group at the limit step by step.) Waits on renewal counts, not on the clock: a TTL of
     0.9 s lets the loop stall for most of 0.6 s without losing a lease."""
-    import asynclock._watchdog as watchdog
+    import asynclock._session._watchdog as watchdog
 
     monkeypatch.setattr(watchdog, "_BATCH", 4)
     sizes: list[int] = []

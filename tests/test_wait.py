@@ -12,8 +12,8 @@ from helpers import Monitor, commandstat, wait_until
 from redis.asyncio import Redis
 
 import asynclock
-from asynclock._connections import companion_for
-from asynclock._scripts import ACQUIRE, HANDOFF, RELEASE
+from asynclock._redis._scripts import ACQUIRE, HANDOFF, RELEASE
+from asynclock._session._connections import companion_for
 from asynclock.testing import RedisServer
 
 
@@ -272,7 +272,7 @@ async def test_a_channel_dropped_before_its_confirmation_can_be_subscribed_again
     replies come in later, in order. A new waiter on that lock must subscribe again, and
     count as listening only once Redis's last word on it is a SUBSCRIBE, not stay deaf
     (sending nothing, waiting on the old confirmation) until the connection breaks."""
-    from asynclock._wakeup import _STALE_CHANNELS
+    from asynclock._session._wakeup import _STALE_CHANNELS
     from asynclock.testing import FaultProxy, ProxyMode
 
     b = make_client(redis_server.url)

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import pytest
 
-import asynclock._watchdog as watchdog_module
-from asynclock._watchdog import Watchdog
+import asynclock._session._watchdog as watchdog_module
+from asynclock._session._watchdog import Watchdog
 
 REAL_RENEW = Watchdog._renew  # (the fixture below replaces it)
 

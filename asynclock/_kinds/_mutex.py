@@ -33,13 +33,13 @@ from typing import Final, NamedTuple, cast
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
 
-from ._connections import Companion
-from ._exceptions import AcquireTimeout, LockBusy
-from ._lane import Lane, exchange, not_sent
-from ._options import LeaseOptions
-from ._scripts import ACQUIRE, ACQUIRE_JOB, UNKNOWN_OUTCOME, Arg
-from ._shield import finish
-from ._wakeup import Waiter
+from .._base._exceptions import AcquireTimeout, LockBusy
+from .._base._options import LeaseOptions
+from .._base._shield import finish
+from .._redis._lane import Lane, exchange, not_sent
+from .._redis._scripts import ACQUIRE, ACQUIRE_JOB, UNKNOWN_OUTCOME, Arg
+from .._session._connections import Companion
+from .._session._wakeup import Waiter
 
 __all__ = [
     "HANDOFF_PATIENCE_MS",

@@ -19,14 +19,14 @@ from typing import Any, Final, Protocol
 
 from redis.exceptions import MaxConnectionsError
 
-from ._acquire import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, register_ms, unregister
-from ._connections import Companion
-from ._events import LeaseEventKind
-from ._exceptions import LossReason
-from ._options import LeaseOptions
-from ._scripts import HANDOFF, RELEASE, SHARED_RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
-from ._shield import finish, finish_idempotent
-from ._wakeup import Waiter
+from .._base._events import LeaseEventKind
+from .._base._exceptions import LossReason
+from .._base._options import LeaseOptions
+from .._base._shield import finish, finish_idempotent
+from .._kinds._mutex import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, register_ms, unregister
+from .._redis._scripts import HANDOFF, RELEASE, SHARED_RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
+from .._session._connections import Companion
+from .._session._wakeup import Waiter
 
 __all__ = ["Held", "Wake", "after_release", "release", "release_storing", "unretain"]
 

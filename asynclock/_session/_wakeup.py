@@ -43,9 +43,9 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from ._compat import connection_errors
-from ._lane import encoding_in
-from ._leftovers import forget_connection
+from .._redis._compat import connection_errors
+from .._redis._lane import encoding_in
+from .._redis._leftovers import forget_connection
 
 __all__ = ["Waiter", "WaitingRoom"]
 

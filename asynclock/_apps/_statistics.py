@@ -8,9 +8,9 @@ from typing import cast
 
 from redis.asyncio import Redis
 
-from ._connections import companion_for
-from ._options import LeaseOptions
-from ._scripts import STATISTICS
+from .._base._options import LeaseOptions
+from .._redis._scripts import STATISTICS
+from .._session._connections import companion_for
 
 __all__ = ["LockStatistics", "statistics"]
 

@@ -27,13 +27,11 @@ from typing import Final, final
 import anyio
 import anyio.lowlevel
 
-from ._connections import Companion, HoldEntry
-from ._events import EventHook, LeaseEvent, LeaseEventKind, emit
-from ._exceptions import LockLost, LossReason
-from ._options import LeaseOptions
-from ._release import Wake, after_release, release_storing
-from ._release import release as release_lease
-from ._scripts import (
+from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit
+from .._base._exceptions import LockLost, LossReason
+from .._base._options import LeaseOptions
+from .._base._shield import cancel_dropped, cancelling
+from .._redis._scripts import (
     RENEW,
     RENEW_HEAD,
     SHARED_RENEW,
@@ -43,8 +41,10 @@ from ._scripts import (
     run_idempotent,
     unpack_arg,
 )
-from ._shield import cancel_dropped, cancelling
-from ._watchdog import report_stall
+from .._session._connections import Companion, HoldEntry
+from .._session._watchdog import report_stall
+from ._release import Wake, after_release, release_storing
+from ._release import release as release_lease
 
 __all__ = ["Lease", "LeaseGuard", "LeaseState"]
 

@@ -26,10 +26,10 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ._context import lease
-from ._events import LeaseEvent
-from ._exceptions import AcquireTimeout, LockBusy, LockLost
-from ._lease import Lease, LeaseState
+from .._base._events import LeaseEvent
+from .._base._exceptions import AcquireTimeout, LockBusy, LockLost
+from .._lifecycle._context import lease
+from .._lifecycle._lease import Lease, LeaseState
 
 __all__ = ["EXIT_LOST", "EXIT_UNAVAILABLE", "RunConfig", "run_command"]
 

@@ -25,11 +25,11 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from redis.asyncio import Redis
 
-from ._acquire import Job, JobConflict, JobDone
-from ._context import take
-from ._exceptions import IdempotencyConflict, LockLost, LossReason
-from ._lane import encoding_of
-from ._options import MAX_TTL, LeaseOptions, _positive
+from .._base._exceptions import IdempotencyConflict, LockLost, LossReason
+from .._base._options import MAX_TTL, LeaseOptions, _positive
+from .._kinds._mutex import Job, JobConflict, JobDone
+from .._lifecycle._context import take
+from .._redis._lane import encoding_of
 
 __all__ = ["Serializer", "forget", "idempotent", "once"]
 

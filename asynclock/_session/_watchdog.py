@@ -47,11 +47,11 @@ from typing import Final, Protocol
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from ._compat import connection_errors
-from ._exceptions import LossReason
-from ._lane import exchange
-from ._options import LeaseOptions
-from ._scripts import Script
+from .._base._exceptions import LossReason
+from .._base._options import LeaseOptions
+from .._redis._compat import connection_errors
+from .._redis._lane import exchange
+from .._redis._scripts import Script
 
 __all__ = ["Watchdog", "Watched", "report_stall"]
 

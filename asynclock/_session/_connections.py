@@ -26,11 +26,11 @@ from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ._compat import fit_settings
-from ._lane import Lane
-from ._leftovers import forget_closed_loops
-from ._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
-from ._shield import finish
+from .._base._shield import finish
+from .._redis._compat import fit_settings
+from .._redis._lane import Lane
+from .._redis._leftovers import forget_closed_loops
+from .._redis._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 

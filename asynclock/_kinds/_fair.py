@@ -27,12 +27,12 @@ from typing import Final, cast
 
 from redis.exceptions import MaxConnectionsError, ResponseError
 
-from ._connections import Companion
-from ._exceptions import AcquireTimeout, LockBusy
-from ._lane import not_sent
-from ._options import LeaseOptions
-from ._scripts import FAIR_ACQUIRE, FAIR_LEAVE, UNKNOWN_OUTCOME, Arg, run_idempotent
-from ._shield import finish
+from .._base._exceptions import AcquireTimeout, LockBusy
+from .._base._options import LeaseOptions
+from .._base._shield import finish
+from .._redis._lane import not_sent
+from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, UNKNOWN_OUTCOME, Arg, run_idempotent
+from .._session._connections import Companion
 
 __all__ = ["FAIR_PATIENCE", "FairAcquisition", "FairGrant"]
 

@@ -24,9 +24,9 @@ from typing import Any, NoReturn
 
 from redis.asyncio import Redis
 
-from ._context import lease
-from ._exceptions import LockBusy, LockLost
-from ._options import MAX_TTL, LeaseOptions, _number, _positive
+from .._base._exceptions import LockBusy, LockLost
+from .._base._options import MAX_TTL, LeaseOptions, _number, _positive
+from .._lifecycle._context import lease
 
 __all__ = ["every"]
 

@@ -32,13 +32,19 @@ from typing import Final, NamedTuple, cast
 
 from redis.exceptions import MaxConnectionsError, ResponseError
 
-from ._connections import Companion
-from ._exceptions import AcquireTimeout, LimitConflict, LockBusy
-from ._lane import not_sent
-from ._options import LeaseOptions
-from ._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
-from ._shield import finish
-from ._wakeup import Waiter
+from .._base._exceptions import AcquireTimeout, LimitConflict, LockBusy
+from .._base._options import LeaseOptions
+from .._base._shield import finish
+from .._redis._lane import not_sent
+from .._redis._scripts import (
+    SEMAPHORE_ABANDON,
+    SEMAPHORE_ACQUIRE,
+    UNKNOWN_OUTCOME,
+    Arg,
+    run_idempotent,
+)
+from .._session._connections import Companion
+from .._session._wakeup import Waiter
 
 __all__ = ["PermitAcquisition", "PermitGrant"]
 

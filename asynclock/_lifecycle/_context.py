@@ -17,16 +17,16 @@ from types import TracebackType
 
 from redis.asyncio import Redis
 
-from ._acquire import Acquisition, Job, JobConflict, JobDone
-from ._connections import Companion, HoldEntry, companion_for
-from ._events import EventHook, LeaseEventKind
-from ._fair import FairAcquisition
+from .._base._events import EventHook, LeaseEventKind
+from .._base._options import LeaseOptions
+from .._kinds._fair import FairAcquisition
+from .._kinds._mutex import Acquisition, Job, JobConflict, JobDone
+from .._kinds._permits import PermitAcquisition
+from .._kinds._shared import SharedAcquisition
+from .._session._connections import Companion, HoldEntry, companion_for
 from ._lease import Lease, LeaseState
-from ._options import LeaseOptions
-from ._permits import PermitAcquisition
 from ._release import Wake, after_release, unretain
 from ._release import release as release_lease
-from ._shared import SharedAcquisition
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 

@@ -1,0 +1,1 @@
+"""What is built on the way in: once(), every(), the run command, statistics()."""

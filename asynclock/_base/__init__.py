@@ -1,0 +1,1 @@
+"""The leaves: validated options, cancellation-proof cleanup, events, exceptions."""
