@@ -141,6 +141,8 @@ class LeaseOptions:
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     reader: str = ""
     """For a shared lease held: its token (its key is the lock's key + ``:reader:<it>``)."""
+    base_key: str = field(init=False)
+    """``<prefix>{<name>}``: the lock's key, and the stem of all its keys."""
     key: str = field(init=False)
     """The Redis key of the lease: ``<prefix>{<name>}`` (one cluster slot per lock); a
     semaphore's permit ``slot``: ``<prefix>{<name>}:permit:<slot>``."""
@@ -151,6 +153,7 @@ class LeaseOptions:
 
     def __post_init__(self) -> None:
         base = f"{self.prefix}{{{self.name}}}"
+        object.__setattr__(self, "base_key", base)
         key = base if self.slot < 0 else f"{base}:permit:{self.slot}"
         if self.reader:
             key = f"{base}:reader:{self.reader}"
@@ -159,11 +162,6 @@ class LeaseOptions:
         fence_ttl = self.fence_ttl or default_fence_ttl(self.ttl)
         object.__setattr__(self, "fence_ttl", fence_ttl)
         object.__setattr__(self, "fence_ttl_ms", max(self.ttl_ms, round(fence_ttl * 1000)))
-
-    @property
-    def base_key(self) -> str:
-        """``<prefix>{<name>}``: the lock's key, and the stem of all its keys."""
-        return f"{self.prefix}{{{self.name}}}"
 
     @property
     def fence_key(self) -> str:
