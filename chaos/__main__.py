@@ -82,6 +82,15 @@ def _parser() -> argparse.ArgumentParser:
         "release() instead of async with lease() (default 0)",
     )
     parser.add_argument(
+        "--limit",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the semaphore mode: each lock is a semaphore of N permits, held with "
+        "lease(..., limit=N); checked per permit, and no lock may have more than N "
+        "unpaused holders at once (default 1: mutexes)",
+    )
+    parser.add_argument(
         "--print-schedule",
         action="store_true",
         help="print the faults the seed schedules, and exit without running",
@@ -101,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--detached must be between 0 and 1")
     if not 1 <= args.locks <= 64:
         parser.error("--locks must be between 1 and 64")
+    if not 1 <= args.limit <= 64:
+        parser.error("--limit must be between 1 and 64")
     if not 0.1 <= args.ttl <= 10:
         parser.error("--ttl must be between 0.1 and 10 seconds")
     if args.seconds > 86_400:
@@ -118,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep=args.keep,
         sabotage=args.sabotage,
         detached=args.detached,
+        limit=args.limit,
     )
     if args.print_schedule:
         print_schedule(config)

@@ -45,8 +45,8 @@ from asynclock.testing import (
 )
 
 from ._nemesis import Nemesis, Target, make_schedule
-from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, summarize
-from ._worker import WorkerConfig, counter_key, holder_name
+from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, of_limit, summarize
+from ._worker import WorkerConfig, counter_key, holder_name, slot_name
 
 __all__ = ["ChaosConfig", "run_chaos"]
 
@@ -78,6 +78,10 @@ class ChaosConfig:
         detached: the share of rounds (0 to 1) that hold their lease with ``acquire()``,
             do their work inside ``lease.guard()`` and give it back with ``release()``,
             instead of ``async with lease(...)``.
+        limit: above 1, the semaphore mode: every lock is a semaphore of ``limit``
+            permits, and each permit is checked as a slot of its own (no two unpaused
+            holders, tokens in order, a fenced counter each), so no lock ever has more
+            than ``limit`` unpaused holders.
     """
 
     seed: int
@@ -90,10 +94,18 @@ class ChaosConfig:
     keep: bool = False
     sabotage: bool = False
     detached: float = 0.0
+    limit: int = 1
 
     @property
     def lock_names(self) -> tuple[str, ...]:
         return tuple(f"lock-{i}" for i in range(self.locks))
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """What holders are checked per: the locks, or, above ``limit`` 1, their permits."""
+        if self.limit == 1:
+            return self.lock_names
+        return tuple(slot_name(lock, i) for lock in self.lock_names for i in range(self.limit))
 
     def replay(self) -> str:
         """The command line that replays this run (same seed, same schedule)."""
@@ -115,6 +127,8 @@ class ChaosConfig:
             parts.append("--sabotage")
         if self.detached:
             parts.append(f"--detached {self.detached!r}")
+        if self.limit != 1:
+            parts.append(f"--limit {self.limit}")
         return " ".join(parts)
 
 
@@ -190,6 +204,7 @@ class _Run:
             tasks=config.tasks,
             sabotage=config.sabotage,
             detached=config.detached,
+            limit=config.limit,
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -352,13 +367,13 @@ class _Run:
                 await self._kill_workers()
             self._save()
             history = History.load(self.history_path)
-            counters = {lock: store.read_int(counter_key(lock)) for lock in config.lock_names}
+            counters = {slot: store.read_int(counter_key(slot)) for slot in config.slots}
             return RunRecord(
                 seed=config.seed,
                 workers=config.workers,
                 tasks=config.tasks,
                 seconds=config.seconds,
-                locks=config.lock_names,
+                locks=config.slots,
                 ttl=config.ttl,
                 engine=f"{self.server.engine} {self.server.version}",
                 schedule=self.schedule,
@@ -373,6 +388,7 @@ class _Run:
                 keys_left=tuple(keys),
                 wall_seconds=time.monotonic() - started,
                 replay=config.replay(),
+                limit=config.limit,
             )
         finally:
             store.close()
@@ -455,7 +471,8 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
     schedule = make_schedule(config.seed, config.seconds, config.ttl)
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
-        f"tasks, {config.locks} locks, ttl {config.ttl:g} s, {config.seconds:g} s, "
+        f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "
+        f"{config.seconds:g} s, "
         f"{len(schedule)} faults scheduled (replay: {config.replay()})",
         file=out,
         flush=True,

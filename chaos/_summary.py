@@ -192,6 +192,9 @@ class RunRecord:
     """The command line that replays this run."""
     tasks: int = 1
     """Contenders per worker process."""
+    limit: int = 1
+    """Permits per lock (the semaphore mode above 1); ``locks`` then lists the permits'
+    slots (``lock-0#2``)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -297,6 +300,34 @@ def classify_overlaps(
         else:
             unpaused.append(overlap)
     return OverlapClasses(tuple(unpaused), tuple(after_loss), tuple(paused))
+
+
+def of_limit(limit: int) -> str:
+    """`` of 3 permits`` in the semaphore mode, else nothing (for headlines)."""
+    return f" of {limit} permits" if limit > 1 else ""
+
+
+def lock_of(slot: str) -> str:
+    """The lock a slot belongs to: ``lock-0`` for ``lock-0#2`` (and for ``lock-0``)."""
+    return slot.partition("#")[0]
+
+
+def most_at_once(intervals: Iterable[Interval]) -> dict[str, int]:
+    """The most intervals that ran at the same moment, per lock (slots merged).
+
+    Intervals that only touch do not count as running together."""
+    edges: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for interval in intervals:
+        edges[lock_of(interval.lock)] += [(interval.start, 1), (interval.end, -1)]
+    most: dict[str, int] = {}
+    for lock, points in sorted(edges.items()):
+        points.sort()  # at a tie an end (-1) sorts before a start (+1)
+        now = best = 0
+        for _, step in points:
+            now += step
+            best = max(best, now)
+        most[lock] = best
+    return most
 
 
 # --------------------------------------------------------------------------------------
@@ -532,6 +563,17 @@ def summarize(record: RunRecord) -> Summary:
     if fencing:
         failures.append(f"{len(fencing)} fencing token(s) out of order")
         details.extend(str(v) for v in fencing[:_SHOWN])
+    # How many held each lock at once, by the intervals alone (slots merged): a check of
+    # the limit that does not rely on the permits' slots, leaving out the paused holders
+    # and the later holder of each overlap a data loss explains.
+    excused = {id(o.second) for o in classes.after_data_loss}
+    at_once = most_at_once(i for i in steady if id(i) not in excused)
+    over = {lock: n for lock, n in at_once.items() if n > record.limit}
+    if over:
+        failures.append(
+            "more unpaused holders at once than the limit: "
+            + ", ".join(f"{lock} {n} > {record.limit}" for lock, n in over.items())
+        )
 
     # -- the fenced store ------------------------------------------------------------------
     writes = [a for a in record.attempts if a.op == "write"]
@@ -579,7 +621,9 @@ def summarize(record: RunRecord) -> Summary:
         "workers": record.workers,
         "tasks": record.tasks,
         "seconds": record.seconds,
-        "locks": len(record.locks),
+        "locks": len({lock_of(slot) for slot in record.locks}),
+        "limit": record.limit,
+        "most_holders_at_once": at_once,
         "ttl": ttl,
         "engine": record.engine,
         "faults": {
@@ -681,7 +725,8 @@ def _render(
     )
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
-        f"{len(record.locks)} locks, ttl {record.ttl:g} s, {record.seconds:g} s on {record.engine}",
+        f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "
+        f"{record.seconds:g} s on {record.engine}",
         f"  faults injected      {faults['injected']} of {faults['scheduled']} scheduled: "
         + ", ".join(kinds),
         f"  acquisitions         {acq['total']}: "
@@ -712,6 +757,8 @@ def _render(
     lines += [
         f"  overlap, not paused  {overlap['unpaused']['count']} pairs"
         + must(overlap["unpaused"]["count"]),
+        f"  most holders at once {_counts(data['most_holders_at_once'])} "
+        f"(limit {record.limit}, unpaused)",
         f"  allowed overlap after data loss: {overlap['after_data_loss']['count']} pairs, "
         f"max {overlap['after_data_loss']['max_ms']:.0f} ms",
         f"  overlap of paused holders (excused): {overlap['paused']['count']} pairs, "

@@ -62,7 +62,7 @@ from redis.exceptions import RedisError
 import asynclock
 from asynclock.testing import FencedStore, Guard, History
 
-__all__ = ["WorkerConfig", "counter_key", "holder_name", "main"]
+__all__ = ["WorkerConfig", "counter_key", "holder_name", "main", "slot_name"]
 
 _PR_SET_PDEATHSIG: Final = 1
 
@@ -97,6 +97,23 @@ def counter_key(lock: str) -> str:
     return f"counter:{lock}"
 
 
+def slot_name(lock: str, permit: int) -> str:
+    """What the semaphore mode records a permit's holders under: ``lock-0#2`` for permit 2
+    of ``lock-0``. Each permit is checked like a lock of its own (no overlap, tokens in
+    order, its own fenced counter), so N permits hold at most N holders at once."""
+    return f"{lock}#{permit}"
+
+
+def _slot_of(lease: asynclock.Lease, limit: int) -> str:
+    """The slot a lease holds: its lock's name, or, for a permit, :func:`slot_name`."""
+    if limit == 1:
+        return lease.name
+    head, _, index = lease.key.rpartition(":permit:")
+    if not head or not index.isdigit() or not 0 <= int(index) < limit:
+        raise AssertionError(f"a permit key out of the semaphore's range: {lease.key!r}")
+    return slot_name(lease.name, int(index))
+
+
 def holder_name(worker: str, task: int) -> str:
     """The holder id that contender ``task`` of worker process ``worker`` records its
     intervals (and fenced writes) under: every contender is a holder of its own, so two
@@ -127,6 +144,9 @@ class WorkerConfig:
     """The share of rounds holding the lease with ``acquire()``, ``guard()`` and
     ``release()`` instead of ``async with lease(...)`` (drawn from a random stream of its
     own, so the other choices of a seed stay as they were)."""
+    limit: int = 1
+    """Above 1, the semaphore mode: each lock is ``lease(..., limit=limit)``, and each
+    permit is recorded as a slot of its own (:func:`slot_name`)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -182,6 +202,8 @@ class _Round:
     """What one round saw; sent to the parent as a ``round`` message."""
 
     lock: str
+    """The lock's name until it is held; then the slot held (a permit, in the semaphore
+    mode: :func:`slot_name`)."""
     fence: int | None = None
     outcome: str = "cancelled"
     reason: str | None = None
@@ -297,9 +319,11 @@ class _Contender:
         stats = self.worker.stats
 
         def hook(event: asynclock.LeaseEvent) -> None:
-            history.on_event(event)
-            if event.kind is asynclock.LeaseEventKind.LOST and state.lost_at is None:
-                state.lost_at = event.at
+            if event.kind is asynclock.LeaseEventKind.LOST:
+                # recorded under the slot held (a permit's, in the semaphore mode)
+                history.mark_lost(state.lock, event.fencing_token, event.detail or "lost")
+                if state.lost_at is None:
+                    state.lost_at = event.at
             stats[f"event:{event.kind}"] += 1
 
         return hook
@@ -318,16 +342,19 @@ class _Contender:
         hold = _held_detached if self.forms.random() < config.detached else asynclock.lease
         if hold is _held_detached:
             state.form = "detached"
+        kind: dict[str, Any] = {"limit": config.limit} if config.limit > 1 else {}
         try:
             async with hold(
                 worker.client,
                 lock_name,
+                **kind,
                 ttl=config.ttl,
                 blocking_timeout=3 * config.ttl,
                 release_timeout=config.ttl,
                 prefix=config.prefix,
                 on_event=self._hook(state),
             ) as lock:
+                state.lock = _slot_of(lock, config.limit)
                 state.fence = lock.fencing_token
                 # safe_until is t_send + ttl - drift until the first renewal is confirmed
                 # (no await yet; the detached form's guard entry is one checkpoint, too
@@ -335,10 +362,11 @@ class _Contender:
                 state.lease_from = lock.safe_until - (config.ttl - _drift(config.ttl))
                 self.in_body = True
                 try:
-                    with worker.history.guard_lease(lock, self.holder) as guard:
+                    guard = Guard(worker.history, state.lock, self.holder, lock.fencing_token, lock)
+                    with guard:
                         worker.report(
                             "acquired",
-                            lock=lock_name,
+                            lock=state.lock,
                             fence=lock.fencing_token,
                             holder=self.holder,
                         )
@@ -399,7 +427,8 @@ class _Contender:
     async def _increment(self, lock: asynclock.Lease) -> bool:
         """``FencedStore.increment(key, fencing_token=...)``, with each SQLite call in a
         thread (see the module's design note): claim, read, pause, write."""
-        store, key, token = self.worker.store, counter_key(lock.name), lock.fencing_token
+        store, token = self.worker.store, lock.fencing_token
+        key = counter_key(_slot_of(lock, self.config.limit))
         holder = self.holder
 
         def claim_and_read() -> int | None:

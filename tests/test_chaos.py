@@ -31,6 +31,7 @@ from chaos._summary import (
     RunRecord,
     classify_overlaps,
     local_handoffs,
+    most_at_once,
     percentile,
     summarize,
 )
@@ -104,6 +105,8 @@ def test_print_schedule_replays(capsys: pytest.CaptureFixture[str]):
         ["--locks", "0"],
         ["--tasks", "0"],
         ["--tasks", "17"],
+        ["--limit", "0"],
+        ["--limit", "65"],
     ],
 )
 def test_bad_arguments_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]):
@@ -214,6 +217,30 @@ def test_local_handoff_is_a_lease_counted_from_a_siblings_release():
     assert local_handoffs([releaser, handed, own, elsewhere]) == [handed]
     other_process = dataclasses.replace(handed, worker="worker-1", holder="worker-1/t1")
     assert local_handoffs([releaser, other_process]) == []
+
+
+def test_replay_names_the_limit_only_in_the_semaphore_mode():
+    assert "--limit" not in ChaosConfig(seed=1).replay()
+    assert ChaosConfig(seed=1, limit=3).replay().endswith("--limit 3")
+    assert ChaosConfig(seed=1, locks=2, limit=2).slots == (
+        "lock-0#0",
+        "lock-0#1",
+        "lock-1#0",
+        "lock-1#1",
+    )
+    assert ChaosConfig(seed=1, locks=2).slots == ("lock-0", "lock-1")
+
+
+def test_most_at_once_merges_a_locks_permits_and_ignores_touching_intervals():
+    intervals = [
+        Interval("a#0", "w1", 1, 0.0, 1.0),
+        Interval("a#1", "w2", 2, 0.5, 2.0),
+        Interval("a#0", "w3", 3, 1.0, 1.5),  # touches w1's end: not at once with it
+        Interval("a#2", "w4", 4, 1.2, 1.3),
+        Interval("b", "w5", 5, 0.0, 9.0),
+    ]
+    assert most_at_once(intervals) == {"a": 3, "b": 1}
+    assert most_at_once([]) == {}
 
 
 def test_replay_names_the_tasks_only_when_not_the_default():
@@ -392,13 +419,62 @@ def test_chaos_run_of_20_seconds(tmp_path: Path):
 
 
 @needs_server
+def test_chaos_run_of_semaphores(tmp_path: Path):
+    """The semaphore mode: two locks of two permits each, eight contenders, 12 s of faults
+    of every kind. Each permit passes every check a lock does, no lock ever has more than
+    two unpaused holders, and both locks reach their limit."""
+    code, out, err = _chaos(
+        "--seconds",
+        "12",
+        "--workers",
+        "4",
+        "--locks",
+        "2",
+        "--limit",
+        "2",
+        "--seed",
+        str(SEED),
+        "--detached",
+        "0.3",
+        "--json",
+        tmp=tmp_path,
+        timeout=90,
+    )
+    assert code == 0, f"{out}\n{err}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert summary["ok"]
+    assert summary["limit"] == 2
+    assert summary["locks"] == 2
+    assert summary["most_holders_at_once"] == {"lock-0": 2, "lock-1": 2}
+    assert set(summary["acquisitions"]["by_lock"]) == {
+        "lock-0#0",
+        "lock-0#1",
+        "lock-1#0",
+        "lock-1#1",
+    }
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["fenced_writes"]["accepted"] > 0
+    assert summary["counter_mismatches"] == 0
+    assert summary["fencing_order_violations"] == 0
+    assert summary["keys_left"] == []
+    assert summary["workers_died"] == []
+    assert summary["unexpected_errors"] == 0
+    assert summary["lock_lost"]["total"] > 0
+    assert "2 locks of 2 permits" in out
+
+
+@needs_server
 @pytest.mark.slow
-def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path):
+@pytest.mark.parametrize("limit", [1, 2], ids=["mutex", "semaphore"])
+def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path, limit: int):
     """Negative control: with the hidden ``--sabotage`` the workers' bodies ignore the loss
     of their lease (shielded from its cancellation, no ``is_held()``). The checks must see
     the overlap, fail the run and print the replay command; fencing still keeps the data
     right. Seed 6: with two contenders per worker it failed 4 runs out of 4 (5-6 pairs);
-    seed 5, chosen when workers had one contender, let 1 run out of 3 pass."""
+    seed 5, chosen when workers had one contender, let 1 run out of 3 pass. In the
+    semaphore mode (two locks of two permits) the limit check fails too."""
+    kind = ["--locks", "2", "--limit", "2"] if limit == 2 else []
     code, out, err = _chaos(
         "--seconds",
         "20",
@@ -407,6 +483,7 @@ def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path):
         "--seed",
         "6",
         "--sabotage",
+        *kind,
         "--json",
         tmp=tmp_path,
         timeout=120,
@@ -417,4 +494,10 @@ def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path):
     assert summary["fenced_writes"]["stale_accepted"] == 0
     assert summary["counter_mismatches"] == 0
     replay = "FAILED: replay with python -m chaos --seed 6 --workers 4 --seconds 20"
-    assert f"{replay} --sabotage" in out
+    failed = [line for line in out.splitlines() if line.startswith(replay)]
+    assert len(failed) == 1, out
+    assert "--sabotage" in failed[0]
+    assert ("--limit 2" in failed[0]) == (limit == 2)
+    if limit == 2:
+        assert max(summary["most_holders_at_once"].values()) > 2
+        assert "more unpaused holders at once than the limit" in out
