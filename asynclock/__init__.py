@@ -35,6 +35,7 @@ from ._base._exceptions import LockBusy as LockBusy
 from ._base._exceptions import LockError as LockError
 from ._base._exceptions import LockLost as LockLost
 from ._base._exceptions import LossReason as LossReason
+from ._base._exceptions import ReplicationTimeout as ReplicationTimeout
 from ._lifecycle._context import LeaseContext as LeaseContext
 from ._lifecycle._context import acquire as acquire
 from ._lifecycle._context import lease as lease
@@ -63,6 +64,7 @@ __all__ = [
     "LockLost",
     "LockStatistics",
     "LossReason",
+    "ReplicationTimeout",
     "Serializer",
     "acquire",
     "every",

@@ -30,6 +30,7 @@ class Standin:
         self._due: float | None = None
         self._active = True
         self._backoff: float | None = None
+        self.min_replicas = 0  # (its _options: renewals confirmed by no replica)
         self.deadlines = 0
         self.failed: list[BaseException] = []
         self.broken = False  # its handling raises, as a raising log handler would
@@ -160,8 +161,8 @@ async def test_a_lease_whose_handling_raises_is_failed_and_the_others_go_on(
         renewed = [Standin(f"r{i}", base + 2) for i in range(3)]
         renewed[1].broken = True
 
-        async def answered(self: Watchdog, batch: list[Any]) -> tuple[float, list[object]]:
-            return base, [1] * len(batch)
+        async def answered(self: Watchdog, batch: list[Any]) -> tuple[float, list[object], int]:
+            return base, [1] * len(batch), 0  # (t_send, replies, replicas confirming)
 
         monkeypatch.setattr(Watchdog, "_send", answered)
         await REAL_RENEW(dog, cast(Any, renewed))

@@ -6,6 +6,8 @@ Every error asynclock raises on purpose derives from :class:`LockError`, split b
     ├── LockLost               the lease was taken away while held (see ``reason``)
     ├── LockBusy               blocking=False and another holder has the lock
     ├── AcquireTimeout         blocking_timeout ran out (also a builtin ``TimeoutError``)
+    ├── ReplicationTimeout     min_replicas: too few replicas confirmed the acquisition in
+    │                          time; the lock was given back (also a ``TimeoutError``)
     └── IdempotencyConflict    once(): the key's job runs, or ran, with another
                                fingerprint (also a builtin ``ValueError``)
 
@@ -27,6 +29,7 @@ __all__ = [
     "LockError",
     "LockLost",
     "LossReason",
+    "ReplicationTimeout",
 ]
 
 
@@ -142,3 +145,23 @@ class LimitConflict(LockError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.detail))
+
+
+class ReplicationTimeout(LockError, TimeoutError):
+    """A lease asked for ``min_replicas`` was granted by the primary, but fewer replicas
+    than that confirmed it (``WAIT``) within ``timeout`` seconds: it was given back, and
+    counts as not acquired. Retry later, or with fewer replicas; ``confirmed`` says how
+    many did confirm (-1: the confirmation got no answer)."""
+
+    def __init__(self, name: str, wanted: int, confirmed: int, timeout: float) -> None:
+        self.name = name
+        self.wanted = wanted
+        self.confirmed = confirmed
+        self.timeout = timeout
+        got = "no answer" if confirmed < 0 else f"{confirmed} confirmed"
+        super().__init__(
+            f"lock {name!r}: {wanted} replica(s) must confirm the lease within {timeout:g}s, {got}"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.wanted, self.confirmed, self.timeout))

@@ -56,6 +56,9 @@ _PERMITS: dict[tuple[LeaseOptions, int], LeaseOptions] = {}  # see LeaseOptions.
 MAX_LIMIT: Final = 1000
 """The most permits a semaphore may have: each acquire looks at every permit's key."""
 
+MAX_REPLICAS: Final = 64
+"""The most replicas ``min_replicas`` may ask to confirm a lease."""
+
 
 def _number(argument: str, value: object) -> float:
     if isinstance(value, timedelta):
@@ -137,6 +140,8 @@ class LeaseOptions:
     """Waiters take the lock in the order they came, across processes (see ``_fair``)."""
     shared: bool = False
     """Many shared holders at once, none beside an exclusive one (see ``_shared``)."""
+    min_replicas: int = 0
+    """Replicas that must confirm (``WAIT``) an acquisition and each renewal (0: none)."""
     slot: int = -1
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     reader: str = ""
@@ -212,6 +217,12 @@ class LeaseOptions:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""
         return f"{self.key}:void:{token}"
 
+    @property
+    def replica_wait_ms(self) -> int:
+        """How long (ms) a ``WAIT`` for ``min_replicas`` may block: a tenth of the TTL,
+        at least 1 ms (``WAIT`` with 0 would block for ever) and at most 5 s."""
+        return min(5000, max(1, self.ttl_ms // 10))
+
     def safe_until(self, t_send: float) -> float:
         """The safe deadline of a lease whose last confirmed command was sent at loop time
         ``t_send``: ``t_send + ttl - drift`` (seconds)."""
@@ -233,6 +244,7 @@ class LeaseOptions:
         limit: object = 1,
         fair: object = False,
         shared: object = False,
+        min_replicas: object = 0,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -256,6 +268,7 @@ class LeaseOptions:
                 limit,
                 fair,
                 shared,
+                min_replicas,
                 type(name),
                 type(ttl),
                 type(blocking),
@@ -268,6 +281,7 @@ class LeaseOptions:
                 type(limit),
                 type(fair),
                 type(shared),
+                type(min_replicas),
             )
             try:
                 return _BUILT[key]
@@ -338,6 +352,12 @@ class LeaseOptions:
                 "shared=True cannot be given with limit, fair or hold_at_least (a shared "
                 "lease is one of many readers of a plain lock)"
             )
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int):
+            raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
+        if not 0 <= min_replicas <= MAX_REPLICAS:
+            raise ValueError(
+                f"min_replicas must be between 0 and {MAX_REPLICAS}, got {min_replicas!r}"
+            )
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -355,6 +375,7 @@ class LeaseOptions:
             limit=limit,
             fair=fair,
             shared=shared,
+            min_replicas=min_replicas,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:

@@ -27,6 +27,7 @@ from .._session._connections import Companion, HoldEntry, companion_for
 from ._lease import Lease, LeaseState
 from ._release import Wake, after_release, unretain
 from ._release import release as release_lease
+from ._replicas import confirm_replicas
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 
@@ -37,7 +38,17 @@ async def take(
     redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
 ) -> Lease:
     """Acquire the lock of ``options`` (see ``Acquisition``; ``job``: for ``once()``): the
-    held lease, not yet watched (the caller starts it without awaiting first)."""
+    held lease, not yet watched (the caller starts it without awaiting first), and, with
+    ``min_replicas``, confirmed by that many replicas (see ``_replicas``)."""
+    held = await _take(redis, options, hook, job)
+    if options.min_replicas:
+        await confirm_replicas(held)
+    return held
+
+
+async def _take(
+    redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None
+) -> Lease:
     companion = companion_for(redis)
     if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
         return await _take_permit(companion, options, hook)
@@ -188,6 +199,7 @@ def lease(
     limit: int = 1,
     fair: bool = False,
     shared: bool = False,
+    min_replicas: int = 0,
 ) -> LeaseContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -237,11 +249,21 @@ def lease(
             waits, new shared ones wait behind it, so writers are not starved. Each is
             renewed, lost and released as any lease. Not with ``limit``, ``fair`` or
             ``hold_at_least``.
+        min_replicas: replicas of the primary that must confirm the lease (0 to 64):
+            the acquisition counts only once ``WAIT`` reports that many replicas have
+            it, within a tenth of the TTL (at most 5 s); otherwise the lease is given
+            back and ``ReplicationTimeout`` raised. Each renewal is confirmed the same
+            way, and one that is not counts as failed (SUSPECT, then lost at the safe
+            deadline). Guards against a failover to a replica that never received the
+            lease granting it again; costs a round trip to the replicas per
+            acquisition and renewal.
 
     Raises (when the block is entered):
         LockBusy: ``blocking=False`` and another lease holds the lock (every permit).
         LimitConflict: ``limit`` differs from the limit the lock's permits are held
             with, or a permit was asked of a name held as a plain lock.
+        ReplicationTimeout: fewer than ``min_replicas`` replicas confirmed the
+            acquisition in time; the lock was given back (also a ``TimeoutError``).
         AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``),
             round trips to Redis included: a Redis that stops answering gives it too,
             within ``blocking_timeout`` plus at most 0.5 s to undo an attempt in flight.
@@ -273,6 +295,7 @@ def lease(
         limit,
         fair,
         shared,
+        min_replicas,
     )
     return LeaseContext(redis, options, on_event)
 
@@ -293,6 +316,7 @@ async def acquire(
     limit: int = 1,
     fair: bool = False,
     shared: bool = False,
+    min_replicas: int = 0,
 ) -> Lease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -323,6 +347,7 @@ async def acquire(
         limit,
         fair,
         shared,
+        min_replicas,
     )
     held = await take(redis, options, on_event)
     held._start(None)
@@ -345,6 +370,7 @@ def _options(
     limit: object = 1,
     fair: object = False,
     shared: object = False,
+    min_replicas: object = 0,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
@@ -364,4 +390,5 @@ def _options(
         limit,
         fair,
         shared,
+        min_replicas,
     )

@@ -541,6 +541,11 @@ class Lease:
         log.warning("asynclock: lease %r lost: %s", self.name, reason.value)
         self._event(LeaseEventKind.LOST, reason.value)
 
+    def _not_confirmed(self) -> None:
+        """The acquisition did not count (too few replicas confirmed it): the release
+        that follows deletes the key at once, ``hold_at_least`` set aside."""
+        self._keep_until = None
+
     def _end(self) -> None:
         """Given back (whatever the outcome): RELEASED unless lost; the block is gone."""
         if self._state in _ACTIVE:

@@ -47,11 +47,11 @@ from typing import Final, Protocol
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from .._base._exceptions import LossReason
+from .._base._exceptions import LossReason, ReplicationTimeout
 from .._base._options import LeaseOptions
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
-from .._redis._scripts import Script
+from .._redis._scripts import Script, pack
 
 __all__ = ["Watchdog", "Watched", "report_stall"]
 
@@ -192,15 +192,23 @@ class Watchdog:
             timeline.push(due, [lease])
         timeline.rearm(now)
         if batch:
-            task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
-            self._batches.add(task)
-            task.add_done_callback(self._batches.discard)
-            _InFlight(self._loop, batch, task)
+            confirmed = [lease for lease in batch if lease._options.min_replicas]
+            if confirmed and len(confirmed) < len(batch):
+                # (those waiting for replicas travel apart: WAIT holds its connection)
+                self._launch([lease for lease in batch if not lease._options.min_replicas])
+                batch = confirmed
+            self._launch(batch)
+
+    def _launch(self, batch: list[Watched]) -> None:
+        task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+        _InFlight(self._loop, batch, task)
 
     async def _renew(self, batch: list[Watched]) -> None:
         """One attempt for each lease of ``batch``; never raises (failures are per lease)."""
         try:
-            t_send, replies = await self._send(batch)
+            t_send, replies, acked = await self._send(batch)
         except asyncio.CancelledError:
             if self._closing:
                 raise
@@ -224,6 +232,11 @@ class Watchdog:
             try:
                 if isinstance(reply, BaseException):
                     self._retry(lease, reply)
+                elif reply == 1 and lease._options.min_replicas > acked:
+                    # renewed on the primary, not confirmed by enough replicas: failed
+                    options = lease._options
+                    wanted, wait = options.min_replicas, options.replica_wait_ms / 1000
+                    self._retry(lease, ReplicationTimeout(lease.name, wanted, acked, wait))
                 elif reply == 1:
                     ttl = lease.ttl
                     found = renewed.get(ttl)
@@ -244,10 +257,12 @@ class Watchdog:
             lease._watch(due)
         self._timeline.add(due, leases)
 
-    async def _send(self, batch: list[Watched]) -> tuple[float, list[object]]:
-        """Send the batch's renewals in one write; returns t_send and a reply (or the
-        per-command error) per lease. Raises on a connection error, or TimeoutError at
-        the batch's earliest deadline (or ttl/3 after sending, if sooner)."""
+    async def _send(self, batch: list[Watched]) -> tuple[float, list[object], int]:
+        """Send the batch's renewals in one write; returns t_send, a reply (or the
+        per-command error) per lease, and how many replicas confirmed them (``WAIT``
+        behind them, when a lease of the batch asks for ``min_replicas``; else 0; -1 for
+        no answer). Raises on a connection error, or TimeoutError at the batch's earliest
+        deadline (or ttl/3 after sending, if sooner)."""
         loop = self._loop
         t_send = loop.time()
         earliest = min(lease._safe_until for lease in batch)
@@ -256,12 +271,19 @@ class Watchdog:
         parts: list[bytes] = []
         for lease in batch:  # (each lease's kind says how it is renewed)
             parts += (lease._renew_head, lease._renew_tail())
+        count = len(batch)
+        wanted = max(lease._options.min_replicas for lease in batch)
+        if wanted:  # (see _lifecycle/_replicas: WAIT confirms every write before it)
+            wait_ms = min(lease._options.replica_wait_ms for lease in batch)
+            wait_ms = max(1, min(wait_ms, int((limit_at - t_send) * 500)))  # half the time
+            parts.append(pack(("WAIT", wanted, wait_ms), "utf-8", "strict"))
+            count += 1
         packed = b"".join(parts)
         async with asyncio.timeout_at(limit_at):
-            replies = await exchange(client, packed, len(batch))
+            replies = await exchange(client, packed, count)
             forgotten = {
                 lease._renew_script.source: None
-                for lease, reply in zip(batch, replies, strict=True)
+                for lease, reply in zip(batch, replies[: len(batch)], strict=True)
                 if isinstance(reply, NoScriptError)
             }
             if forgotten:
@@ -270,8 +292,12 @@ class Watchdog:
                     for source in forgotten:
                         await client.script_load(source)
                 t_send = loop.time()
-                replies = await exchange(client, packed, len(batch))
-        return t_send, replies
+                replies = await exchange(client, packed, count)
+        acked = 0
+        if wanted:
+            reply = replies.pop()
+            acked = reply if isinstance(reply, int) else -1
+        return t_send, replies, acked
 
     def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
         """The batch failed as a whole: every lease of it tries again (see ``_retry``)."""

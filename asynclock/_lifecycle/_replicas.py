@@ -1,0 +1,94 @@
+"""Confirming an acquisition with replicas (``min_replicas``).
+
+Design note. Redis replicates asynchronously: a primary that dies after granting a lease
+and before any replica received it is replaced by a replica that never saw the lease, and
+that one grants the lock again. ``WAIT n timeout`` makes a connection wait until ``n``
+replicas have acknowledged every write it has sent so far. It has to follow a write on
+the same connection, and the acquire may have travelled on another one (the lane, the
+overflow pool, or a releaser's HANDOFF that handed the lease over), so the confirmation
+sends the lease's own renewal (its kind's owner-checked renew script, see the seam in
+``docs/architecture.md``) and ``WAIT`` behind it in one write, on one connection. The
+replication stream is one ordered log: a replica that acknowledged the renewal has the
+acquisition, which came before it.
+
+The watchdog confirms each renewal the same way (one ``WAIT`` behind a batch of
+renewals); an acquisition that is not confirmed is given back at once (``hold_at_least``
+set aside: nobody ran under it) and ``ReplicationTimeout`` raised, so it counts as not
+acquired. A cancellation during the confirmation gives the lease back too.
+
+What it does not cover: a replica that acknowledged and then lost the write (it
+restarted without persistence before the failover), and a failover that promotes a
+replica which did not acknowledge (``min_replicas`` lower than the replicas the failover
+may choose from). ``WAIT`` is not ``WAITAOF``: the acknowledgement is of memory, not disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from redis.exceptions import NoScriptError, RedisError
+
+from .._base._exceptions import ReplicationTimeout
+from .._redis._compat import connection_errors
+from .._redis._lane import exchange
+from ._release import Wake, after_release, release
+
+if TYPE_CHECKING:
+    from ._lease import Lease
+
+__all__ = ["confirm_replicas"]
+
+
+async def confirm_replicas(held: Lease) -> None:
+    """Have ``held``'s ``min_replicas`` replicas confirm it, or give it back.
+
+    Raises:
+        ReplicationTimeout: fewer replicas confirmed within the wait (or Redis did not
+            answer in time); the lease was given back.
+        asyncio.CancelledError: the caller was cancelled; the lease was given back.
+    """
+    options = held._options
+    wanted = options.min_replicas
+    wait_ms = options.replica_wait_ms
+    error: BaseException | None = None
+    confirmed = -1
+    try:
+        async with asyncio.timeout(wait_ms / 1000 + options.release_timeout):
+            confirmed = await _renew_and_wait(held, wanted, wait_ms)
+    except (RedisError, OSError, TimeoutError) as exc:
+        error = exc
+    except BaseException:
+        await _give_back(held)
+        raise
+    if confirmed < wanted:
+        await _give_back(held)
+        raise ReplicationTimeout(options.name, wanted, confirmed, wait_ms / 1000) from error
+
+
+async def _renew_and_wait(held: Lease, wanted: int, wait_ms: int) -> int:
+    """Renew ``held`` and ``WAIT`` behind it on one connection: the replicas that
+    acknowledged, or -1 if the renewal found the key not ours or failed."""
+    companion = held._companion
+    client = companion.renewer()
+    packed = b"".join(
+        (held._renew_head, held._renew_tail(), companion.pack("WAIT", wanted, wait_ms))
+    )
+    renewed, acked = await exchange(client, packed, 2)
+    if isinstance(renewed, NoScriptError):  # (a fresh or restarted server)
+        with connection_errors():
+            await client.script_load(held._renew_script.source)
+        renewed, acked = await exchange(client, packed, 2)
+    if renewed != 1 or not isinstance(acked, int):
+        return -1
+    return acked
+
+
+async def _give_back(held: Lease) -> None:
+    """Release ``held`` at once, shielded, as an acquisition that did not count."""
+    held._not_confirmed()
+    wake = Wake.OURS
+    try:
+        wake = await release(held, shielded=False)
+    finally:
+        await after_release(held, wake)

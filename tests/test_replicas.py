@@ -1,0 +1,257 @@
+"""``min_replicas``: an acquisition (and each renewal) counts only once that many replicas
+confirm it with ``WAIT`` (issue 21, C). A real primary and replica, faults by SIGSTOP and
+a failover by ``REPLICAOF NO ONE``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import LeaseEventKind, LockBusy, LockLost, LossReason, ReplicationTimeout
+from asynclock.testing import RedisServer, keys_left
+
+
+@dataclass
+class Pair:
+    primary: RedisServer
+    replica: RedisServer
+    on_primary: Redis
+    on_replica: Redis
+
+
+@pytest.fixture
+async def pair(private_server: RedisServer, prefix: str) -> AsyncIterator[Pair]:
+    """A primary and its replica, replicating (a write on the primary has reached it)."""
+    replica = private_server.replica()
+    on_primary = Redis.from_url(private_server.url)
+    on_replica = Redis.from_url(replica.url)
+    try:
+        await on_primary.set(prefix + "probe", "1")
+        async with asyncio.timeout(10):
+            while await on_replica.get(prefix + "probe") != b"1":
+                await on_primary.execute_command("WAIT", 1, 100)
+        yield Pair(private_server, replica, on_primary, on_replica)
+    finally:
+        private_server.resume()
+        replica.resume()
+        await on_primary.aclose()
+        await on_replica.aclose()
+        replica.stop()
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(True, TypeError), (1.0, TypeError), ("1", TypeError), (-1, ValueError), (65, ValueError)],
+)
+async def test_bad_min_replicas_is_refused_before_any_io(value: object, error: type) -> None:
+    client = Redis(host="127.0.0.1", port=1)  # (nothing listens: any I/O would fail)
+    with pytest.raises(error, match="min_replicas"):
+        asynclock.lease(client, "x", min_replicas=value)  # type: ignore[arg-type]
+    with pytest.raises(error, match="min_replicas"):
+        await asynclock.acquire(client, "x", min_replicas=value)  # type: ignore[arg-type]
+    await client.aclose()
+
+
+async def test_the_replica_has_the_lease_when_the_block_starts(pair: Pair, prefix: str) -> None:
+    """Confirmed before entry: the replica holds the key, with our token, the moment the
+    block starts (no waiting for replication here); renewals are confirmed too."""
+    events: list[asynclock.LeaseEvent] = []
+    async with asynclock.lease(
+        pair.on_primary, "job", ttl=0.6, min_replicas=1, prefix=prefix, on_event=events.append
+    ) as lock:
+        value = await pair.on_replica.get(lock.key)
+        assert value is not None
+        assert value.decode().startswith(lock.token)
+        await asyncio.sleep(0.5)  # (two renewals, each confirmed)
+        assert lock.state is asynclock.LeaseState.HELD
+    kinds = [e.kind for e in events]
+    assert kinds.count(LeaseEventKind.RENEWED) >= 2
+    assert LeaseEventKind.RENEW_FAILED not in kinds
+    assert await keys_left(pair.on_primary, prefix) == []
+
+
+async def test_unconfirmed_acquisition_is_given_back(pair: Pair, prefix: str) -> None:
+    """The replica is stopped: WAIT reports 0 of 1 within a tenth of the TTL, so the
+    acquisition is undone (the key deleted on the primary) and ReplicationTimeout raised;
+    without min_replicas the same acquisition succeeds (the double grant's opening)."""
+    pair.replica.pause()
+    started = time.monotonic()
+    with pytest.raises(ReplicationTimeout) as caught:
+        async with asynclock.lease(pair.on_primary, "job", ttl=2.0, min_replicas=1, prefix=prefix):
+            pytest.fail("entered a lease that no replica confirmed")
+    elapsed = time.monotonic() - started
+    assert caught.value.wanted == 1
+    assert caught.value.confirmed == 0
+    assert caught.value.timeout == pytest.approx(0.2)
+    assert isinstance(caught.value, TimeoutError)
+    assert 0.15 <= elapsed < 2.0, elapsed
+    assert await keys_left(pair.on_primary, prefix) == []
+    # acquire() too, and a plain lease is not held up by the stopped replica
+    with pytest.raises(ReplicationTimeout):
+        await asynclock.acquire(pair.on_primary, "job", ttl=2.0, min_replicas=1, prefix=prefix)
+    async with asynclock.lease(pair.on_primary, "job", ttl=2.0, prefix=prefix) as lock:
+        assert lock.state is asynclock.LeaseState.HELD
+    assert await keys_left(pair.on_primary, prefix) == []
+
+
+async def test_cancelled_while_replicas_confirm_leaves_nothing(pair: Pair, prefix: str) -> None:
+    """Cancelled while WAIT blocks (the replica is stopped): the lease is given back,
+    and another client takes the lock at once."""
+    pair.replica.pause()
+
+    async def take() -> None:
+        async with asynclock.lease(pair.on_primary, "job", ttl=5.0, min_replicas=1, prefix=prefix):
+            pytest.fail("entered a lease that no replica confirmed")
+
+    task = asyncio.create_task(take())
+    # The key is set on the primary before WAIT blocks for up to 0.5 s.
+    async with asyncio.timeout(5):
+        # (a state of another process: nothing to await but the server's answer)
+        while not await pair.on_primary.exists(prefix + "{job}"):  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await pair.on_primary.exists(prefix + "{job}") == 0
+    other = Redis.from_url(pair.primary.url)
+    try:
+        async with asynclock.lease(other, "job", ttl=1.0, blocking=False, prefix=prefix):
+            pass
+    finally:
+        await other.aclose()
+
+
+async def test_unconfirmed_renewals_lose_the_lease_at_its_deadline(pair: Pair, prefix: str) -> None:
+    """The replica stops while the lease is held: each renewal lands on the primary but
+    is not confirmed, so the lease turns SUSPECT and is lost at its safe deadline (the
+    block cancelled); a plain lease of the same client, renewed meanwhile, is not held
+    up by the replicas' wait."""
+    ttl = 0.6
+    events: list[asynclock.LeaseEvent] = []
+    plain_events: list[asynclock.LeaseEvent] = []
+    async with asynclock.lease(
+        pair.on_primary, "plain", ttl=ttl, prefix=prefix, on_event=plain_events.append
+    ) as plain:
+        with pytest.raises(LockLost) as lost:
+            async with asynclock.lease(
+                pair.on_primary,
+                "job",
+                ttl=ttl,
+                min_replicas=1,
+                prefix=prefix,
+                on_event=events.append,
+            ) as lock:
+                pair.replica.pause()
+                stopped = time.monotonic()
+                await anyio.sleep_forever()
+        cancelled_after = time.monotonic() - stopped
+        assert plain.state is asynclock.LeaseState.HELD
+    assert lost.value.reason is LossReason.DEADLINE
+    assert isinstance(lost.value.__cause__, ReplicationTimeout)
+    assert LeaseEventKind.RENEW_FAILED in [e.kind for e in events]
+    assert cancelled_after < ttl + 0.5, cancelled_after
+    assert lock.state is asynclock.LeaseState.LOST
+    assert LeaseEventKind.RENEW_FAILED not in [e.kind for e in plain_events]
+
+
+async def test_a_renewal_confirmed_again_recovers_the_lease(pair: Pair, prefix: str) -> None:
+    """The replica stops for less than the lease's margin: SUSPECT, then HELD again
+    once a renewal is confirmed; the block runs to its end."""
+    events: list[asynclock.LeaseEvent] = []
+    failed, recovered = asyncio.Event(), asyncio.Event()
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        events.append(event)
+        if event.kind is LeaseEventKind.RENEW_FAILED:
+            failed.set()
+        elif event.kind is LeaseEventKind.RENEWED and failed.is_set():
+            recovered.set()
+
+    async with asynclock.lease(
+        pair.on_primary, "job", ttl=1.5, min_replicas=1, prefix=prefix, on_event=on_event
+    ) as lock:
+        pair.replica.pause()
+        async with asyncio.timeout(5):
+            await failed.wait()
+        assert lock.state is asynclock.LeaseState.SUSPECT
+        pair.replica.resume()
+        async with asyncio.timeout(5):
+            await recovered.wait()
+        assert lock.state is asynclock.LeaseState.HELD
+    kinds = [e.kind for e in events]
+    assert LeaseEventKind.RENEW_FAILED in kinds
+    assert kinds[-1] is LeaseEventKind.RELEASED
+
+
+async def _failover(pair: Pair, min_replicas: int, prefix: str) -> tuple[float, float | None]:
+    """Take the lock on the primary with ``min_replicas``, then the primary dies
+    (SIGSTOP) and its replica is promoted; a rival takes the lock on the new primary as
+    soon as it can. Returns (when the holder's block stopped, when the rival got in).
+
+    Without ``min_replicas`` the replica is cut off first (SIGSTOP, the primary drops
+    its link), so the acquisition never reaches it: the window a confirmation closes.
+    """
+    ttl = 0.9
+    if not min_replicas:
+        pair.replica.pause()
+        await pair.on_primary.client_kill_filter(_type="replica")
+    rival_in: float | None = None
+    holder_out = 0.0
+
+    async def rival() -> None:
+        nonlocal rival_in
+        while True:
+            try:
+                async with asynclock.lease(
+                    pair.on_replica, "failover", ttl=ttl, blocking=False, prefix=prefix
+                ):
+                    rival_in = time.monotonic()
+                    return
+            except LockBusy:
+                await asyncio.sleep(0.01)
+
+    with pytest.raises(LockLost):
+        async with asynclock.lease(
+            pair.on_primary,
+            "failover",
+            ttl=ttl,
+            min_replicas=min_replicas,
+            prefix=prefix,
+            release_timeout=0.2,
+        ):
+            pair.primary.pause()  # the primary dies
+            pair.replica.resume()
+            await pair.on_replica.execute_command("REPLICAOF", "NO", "ONE")
+            rival_task = asyncio.create_task(rival())
+            try:
+                await anyio.sleep_forever()
+            finally:
+                holder_out = time.monotonic()
+    async with asyncio.timeout(10):
+        await rival_task
+    return holder_out, rival_in
+
+
+async def test_failover_after_a_confirmed_acquisition_grants_nobody_else(
+    pair: Pair, prefix: str
+) -> None:
+    """With min_replicas=1 the promoted replica has the lease: the rival gets the lock
+    only after the holder's block was cancelled at its deadline."""
+    holder_out, rival_in = await _failover(pair, 1, prefix)
+    assert rival_in is not None
+    assert rival_in >= holder_out, f"double grant for {(holder_out - rival_in) * 1000:.0f} ms"
+
+
+async def test_failover_without_confirmation_grants_the_lock_twice(pair: Pair, prefix: str) -> None:
+    """The control: without min_replicas, a replica that missed the acquisition is
+    promoted and grants the lock while the holder still holds it."""
+    holder_out, rival_in = await _failover(pair, 0, prefix)
+    assert rival_in is not None
+    assert rival_in < holder_out, "no double grant: the control shows nothing"
