@@ -24,6 +24,7 @@ import anyio
 from redis.asyncio import Redis
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.backoff import NoBackoff
 
 from .._base._shield import finish
@@ -63,6 +64,7 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
         for key, value in pool.connection_kwargs.items()
         if key not in _NOT_SETTINGS and not key.startswith("orig_")
     }
+
     # RESP2 and no CLIENT SETINFO: a new side connection needs no handshake round trips
     # (beyond AUTH/SELECT if configured), so reconnecting fits in a renewal's budget
     # even on a slow network. Our scripts' replies read the same in RESP2 and RESP3.
@@ -72,7 +74,12 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
     # time limits and a heartbeat of their own.
     # (fit_settings: only what this redis-py's connection class takes, CLIENT SETINFO off)
     settings.update(protocol=2, health_check_interval=0)
-    return pool.connection_class, fit_settings(pool.connection_class, settings)
+    fitted = fit_settings(pool.connection_class, settings)
+    if issubclass(pool.connection_class, SentinelManagedConnection):
+        # A Sentinel client's connections ask its pool (a weak proxy) where the primary
+        # is now, at every connect: after a failover ours reconnect to the new one.
+        fitted["connection_pool"] = pool.connection_kwargs["connection_pool"]
+    return pool.connection_class, fitted
 
 
 _OVERFLOW_CONNECTIONS = 32

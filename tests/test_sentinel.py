@@ -1,0 +1,250 @@
+"""Leases through a Sentinel client (issue 21, B): a real primary, its replica and a
+sentinel (``redis-server --sentinel``) over them, failed over by ``SENTINEL FAILOVER``
+and by ``SIGKILL`` of the primary."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.sentinel import Sentinel
+
+import asynclock
+from asynclock import LeaseEventKind, LockLost, LossReason
+from asynclock.testing import RedisServer, available_engines, keys_left
+
+SERVICE = "asynclock-test"
+pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
+
+
+class SentinelProcess:
+    """One ``redis-server --sentinel`` watching ``primary``: it marks a primary down after
+    0.5 s without an answer, and fails over on its own (a quorum of 1)."""
+
+    def __init__(self, primary: RedisServer, directory: Path) -> None:
+        binary = primary.binary  # (redis-server or valkey-server: both run sentinels)
+        self.port = _free_port()
+        config = directory / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\n"
+            "bind 127.0.0.1\n"
+            "protected-mode no\n"
+            f"dir {directory}\n"
+            f"logfile {directory / 'sentinel.log'}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 1\n"
+            f"sentinel down-after-milliseconds {SERVICE} 500\n"
+            f"sentinel failover-timeout {SERVICE} 5000\n"
+        )
+        self.log = directory / "sentinel.log"
+        self.proc = subprocess.Popen(
+            [binary, str(config), "--sentinel"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Deployment:
+    primary: RedisServer
+    replica: RedisServer
+    sentinel: SentinelProcess
+    manager: Sentinel
+
+    def client(self) -> Redis:
+        return self.manager.master_for(SERVICE, socket_timeout=1.0)
+
+    async def primary_port(self) -> int:
+        _, port = await self.manager.discover_master(SERVICE)
+        return int(port)
+
+
+@pytest.fixture
+def _servers(private_server: RedisServer, tmp_path: Path) -> Iterator[tuple[RedisServer, ...]]:
+    replica = private_server.replica()
+    try:
+        # In sync before the sentinel first looks at the replica (it refreshes what it
+        # knows of a replica every 10 s, and promotes only one whose link was up).
+        deadline = time.monotonic() + 15
+        while b"master_link_status:up" not in replica.command("INFO", "replication"):
+            if time.monotonic() > deadline:
+                pytest.fail("the replica did not sync within 15 s")
+            time.sleep(0.02)
+        yield private_server, replica
+    finally:
+        replica.stop()
+
+
+@pytest.fixture
+async def deployment(
+    _servers: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> AsyncIterator[Deployment]:
+    primary, replica = _servers
+    sentinel = SentinelProcess(primary, tmp_path)
+    manager = Sentinel([("127.0.0.1", sentinel.port)], socket_timeout=1.0)
+    try:
+        # The sentinel answers, has found the replica, and has read its INFO (it
+        # promotes only a replica whose INFO is fresh and whose link is up).
+        async with asyncio.timeout(15):
+            while True:
+                with contextlib.suppress(Exception):
+                    replicas = await manager.sentinels[0].sentinel_slaves(SERVICE)
+                    if any(
+                        r.get("master-link-status") == "ok" and int(r["info-refresh"]) < 5000
+                        for r in replicas
+                    ):
+                        break
+                await asyncio.sleep(0.05)
+        yield Deployment(primary, replica, sentinel, manager)
+    finally:
+        sentinel.stop()
+        for server in manager.sentinels:
+            await server.aclose()
+
+
+async def _failed_over(deployment: Deployment, old_port: int) -> None:
+    """Wait until the sentinel names a new primary, and it accepts writes."""
+    async with asyncio.timeout(20):
+        while True:
+            with contextlib.suppress(Exception):
+                if await deployment.primary_port() != old_port:
+                    break
+            await asyncio.sleep(0.05)
+
+
+async def test_leases_and_waiters_work_through_sentinel(
+    deployment: Deployment, prefix: str
+) -> None:
+    """Two Sentinel clients: exclusion, renewal, release and a waiter woken by the
+    release (well before the holder's key could expire)."""
+    first, second = deployment.client(), deployment.client()
+    try:
+        order: list[str] = []
+        entered = asyncio.Event()
+
+        async def holder() -> None:
+            async with asynclock.lease(first, "job", ttl=0.6, prefix=prefix) as lock:
+                order.append("first in")
+                entered.set()
+                await asyncio.sleep(0.5)  # (renewed: past ttl/3)
+                assert lock.state is asynclock.LeaseState.HELD
+                order.append("first out")
+
+        async def waiter() -> float:
+            await entered.wait()
+            started = time.monotonic()
+            async with asynclock.lease(second, "job", ttl=5.0, prefix=prefix):
+                order.append("second in")
+            return time.monotonic() - started
+
+        _, waited = await asyncio.gather(holder(), waiter())
+        assert order == ["first in", "first out", "second in"]
+        assert waited < 2.0, waited
+        assert await keys_left(first, prefix) == []
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+async def test_a_held_lease_follows_a_sentinel_failover(
+    deployment: Deployment, prefix: str
+) -> None:
+    """SENTINEL FAILOVER while a lease (replicated) is held: the old
+    primary turns replica (its writes answer READONLY), renewals reach the new primary
+    and keep the lease, and the release deletes the key there."""
+    client = deployment.client()
+    renewals = 0
+    two_more = asyncio.Event()
+    wanted = 1 << 30
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        nonlocal renewals
+        if event.kind is LeaseEventKind.RENEWED:
+            renewals += 1
+            if renewals >= wanted:
+                two_more.set()
+
+    try:
+        old_port = await deployment.primary_port()
+        async with asynclock.lease(
+            client, "job", ttl=6.0, prefix=prefix, on_event=on_event
+        ) as lock:
+            # The replica has the lease (a write after it, then WAIT on that connection).
+            # (Not min_replicas=1: with one replica, the new primary has none to confirm
+            # renewals until the sentinel has turned the old primary into its replica.)
+            probe = Redis(host="127.0.0.1", port=old_port)
+            await probe.set(prefix + "probe", "1")
+            assert await probe.execute_command("WAIT", 1, 5000) == 1
+            await deployment.manager.sentinels[0].execute_command("SENTINEL", "FAILOVER", SERVICE)
+            await _failed_over(deployment, old_port)
+            async with asyncio.timeout(20):  # the old primary is a replica now
+                while (await probe.info("replication"))["role"] != "slave":  # noqa: ASYNC110 (another process's state)
+                    await asyncio.sleep(0.05)
+            await probe.aclose()
+            wanted = renewals + 2
+            async with asyncio.timeout(10):
+                await two_more.wait()  # (renewals every 2 s)
+            assert lock.state is asynclock.LeaseState.HELD
+            new_primary = Redis(host="127.0.0.1", port=await deployment.primary_port())
+            # renewed there within the last renewal period (2 s) and a margin
+            assert await new_primary.pttl(lock.key) > 3500
+        assert lock.state is asynclock.LeaseState.RELEASED
+        try:
+            assert await keys_left(new_primary, prefix) == []
+        finally:
+            await new_primary.aclose()
+    finally:
+        await client.aclose()
+
+
+async def test_a_lease_the_new_primary_does_not_know_is_lost(
+    deployment: Deployment, prefix: str
+) -> None:
+    """The replica misses the acquisition (stopped, its link cut), then the primary is
+    SIGKILLed and the sentinel promotes the replica: the holder's next renewal finds no
+    key there, and the block is cancelled with LockLost(not_owner) before its deadline;
+    a new lease is then taken on the new primary through the same client."""
+    client = deployment.client()
+    try:
+        events: list[asynclock.LeaseEvent] = []
+        old_port = await deployment.primary_port()
+        primary_client = Redis(host="127.0.0.1", port=old_port)
+        deployment.replica.pause()
+        await primary_client.client_kill_filter(_type="replica")
+        await primary_client.aclose()
+        with pytest.raises(LockLost) as lost:
+            async with asynclock.lease(
+                client, "job", ttl=8.0, prefix=prefix, on_event=events.append
+            ):
+                deployment.primary.kill()
+                deployment.replica.resume()
+                await _failed_over(deployment, old_port)
+                await anyio.sleep_forever()
+        assert lost.value.reason is LossReason.NOT_OWNER
+        (loss,) = [e for e in events if e.kind is LeaseEventKind.LOST]
+        assert loss.at < loss.safe_until  # (found by a renewal, before the deadline)
+        async with asynclock.lease(client, "job", ttl=2.0, blocking=False, prefix=prefix):
+            pass
+    finally:
+        await client.aclose()
