@@ -30,6 +30,7 @@ def test_public_names_are_pinned() -> None:
         "LockLost",
         "LockStatistics",
         "LossReason",
+        "ReplicationTimeout",
         "Serializer",
         "acquire",
         "every",

@@ -22,10 +22,8 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from redis.asyncio import Redis
-
 from .._base._exceptions import LockBusy, LockLost
-from .._base._options import MAX_TTL, LeaseOptions, _number, _positive
+from .._base._options import MAX_TTL, Client, LeaseOptions, _number, _positive
 from .._lifecycle._context import lease
 
 __all__ = ["every"]
@@ -36,7 +34,7 @@ _DEFAULT_TTL = 30.0
 
 
 async def every(
-    redis: Redis,
+    redis: Client,
     name: str,
     period: float | timedelta | None,
     func: Callable[..., Awaitable[object]],
@@ -80,7 +78,7 @@ async def every(
 
 
 async def _run_tick(
-    redis: Redis,
+    redis: Client,
     name: str,
     tick: float,
     keep: float,

@@ -23,10 +23,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
-from redis.asyncio import Redis
-
 from .._base._exceptions import IdempotencyConflict, LockLost, LossReason
-from .._base._options import MAX_TTL, LeaseOptions, _positive
+from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
 from .._kinds._mutex import Job, JobConflict, JobDone
 from .._lifecycle._context import take
 from .._redis._lane import encoding_of
@@ -63,7 +61,7 @@ _JSON = _Json()
 
 
 async def once(
-    redis: Redis,
+    redis: Client,
     key: str,
     func: Callable[..., Awaitable[T]],
     *args: Any,
@@ -141,7 +139,7 @@ async def once(
 
 
 def idempotent(
-    redis: Redis,
+    redis: Client,
     *,
     key: Callable[..., str],
     fingerprint: Callable[..., str | bytes | None] | None = None,
@@ -188,7 +186,7 @@ def idempotent(
     return decorate
 
 
-async def forget(redis: Redis, key: str, *, prefix: str = "asynclock:") -> bool:
+async def forget(redis: Client, key: str, *, prefix: str = "asynclock:") -> bool:
     """Delete the result stored for ``key`` by :func:`once`, so that the next call runs
     the job again (reprocessing on purpose). Returns whether there was one. A job that is
     running is not stopped: it stores its result when it ends.
@@ -240,7 +238,7 @@ def _dumps(codec: Serializer, result: object) -> bytes | str:
     return payload
 
 
-def _as_bytes(payload: object, redis: Redis) -> bytes:
+def _as_bytes(payload: object, redis: Client) -> bytes:
     """A stored payload as bytes (a ``decode_responses=True`` client decoded it)."""
     if isinstance(payload, bytes):
         return payload

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from .._base._options import LeaseOptions
+from .._base._options import Client, LeaseOptions
+from .._redis._cluster import node_client
 from .._redis._scripts import STATISTICS
 from .._session._connections import companion_for
 
@@ -43,7 +44,7 @@ class LockStatistics:
         return self.exclusive or self.shared_holders > 0 or self.permits_in_use > 0
 
 
-async def statistics(redis: Redis, name: str, *, prefix: str = "asynclock:") -> LockStatistics:
+async def statistics(redis: Client, name: str, *, prefix: str = "asynclock:") -> LockStatistics:
     """What holds the lock ``name`` now, and who waits for it: one round trip, nothing
     written. Works for every kind (plain, fair, shared, semaphore) at once.
 
@@ -60,6 +61,8 @@ async def statistics(redis: Redis, name: str, *, prefix: str = "asynclock:") -> 
         base + ":queue",
         base + ":queue:alive",
     ]
+    if isinstance(redis, RedisCluster):  # (the lock's node: see _redis/_cluster)
+        redis = await node_client(redis, base)
     companion = companion_for(redis)
     reply = await STATISTICS(companion.lane, keys, [base + ":permit:"])
     pttl, shared, readers, limit, permits, waiting, queued = (

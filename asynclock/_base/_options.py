@@ -13,6 +13,11 @@ from datetime import timedelta
 from typing import Final
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+Client = Redis | RedisCluster
+"""What a lock is taken through: a redis-py asyncio client of one server (standalone or a
+Sentinel's primary) or of a Redis Cluster."""
 
 __all__ = ["MAX_LIMIT", "MAX_TTL", "MIN_TTL", "LeaseOptions", "default_fence_ttl", "drift_for"]
 
@@ -289,10 +294,10 @@ class LeaseOptions:
                 pass
             except TypeError:  # an unhashable argument: built (and reported) uncached
                 key = None
-        elif not isinstance(redis, Redis):  # (isinstance against Redis is slow: once)
+        elif not isinstance(redis, Redis | RedisCluster):  # (slow: once per type)
             raise TypeError(
-                "redis must be a redis.asyncio.Redis client (redis-py's asyncio API), "
-                f"not {type(redis).__module__}.{type(redis).__qualname__}"
+                "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
+                f"asyncio API), not {type(redis).__module__}.{type(redis).__qualname__}"
             )
         else:
             _CLIENT_TYPES.add(type(redis))

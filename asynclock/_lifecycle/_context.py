@@ -16,13 +16,18 @@ from datetime import timedelta
 from types import TracebackType
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AskError, MovedError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._base._events import EventHook, LeaseEventKind
-from .._base._options import LeaseOptions
+from .._base._options import Client, LeaseOptions
 from .._kinds._fair import FairAcquisition
 from .._kinds._mutex import Acquisition, Job, JobConflict, JobDone
 from .._kinds._permits import PermitAcquisition
 from .._kinds._shared import SharedAcquisition
+from .._redis._cluster import node_client, reload_slots
+from .._redis._lane import not_sent
 from .._session._connections import Companion, HoldEntry, companion_for
 from ._lease import Lease, LeaseState
 from ._release import Wake, after_release, unretain
@@ -35,15 +40,44 @@ _LETTING_GO: set[asyncio.Task[None]] = set()  # see take()
 
 
 async def take(
-    redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
+    redis: Client, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
 ) -> Lease:
     """Acquire the lock of ``options`` (see ``Acquisition``; ``job``: for ``once()``): the
     held lease, not yet watched (the caller starts it without awaiting first), and, with
     ``min_replicas``, confirmed by that many replicas (see ``_replicas``)."""
-    held = await _take(redis, options, hook, job)
+    if isinstance(redis, RedisCluster):
+        held = await _take_on_cluster(redis, options, hook, job)
+    else:
+        held = await _take(redis, options, hook, job)
     if options.min_replicas:
         await confirm_replicas(held)
     return held
+
+
+_SLOT_TRIES = 5  # attempts on a cluster whose slot map changes under us
+_SLOT_PAUSE = 0.05  # seconds before the first retry after ASK/TRYAGAIN (doubled each)
+
+
+async def _take_on_cluster(
+    cluster: RedisCluster, options: LeaseOptions, hook: EventHook | None, job: Job | None
+) -> Lease:
+    """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
+    ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
+    tries again; ``ASK`` or ``TRYAGAIN`` (the slot is migrating) waits a little first."""
+    pause = _SLOT_PAUSE
+    for attempt in range(_SLOT_TRIES):
+        node = await node_client(cluster, options.base_key)
+        try:
+            return await _take(node, options, hook, job)
+        except (MovedError, AskError, TryAgainError, RedisConnectionError) as exc:
+            last = attempt == _SLOT_TRIES - 1
+            if last or (isinstance(exc, RedisConnectionError) and not not_sent(exc)):
+                raise
+            if not isinstance(exc, MovedError | RedisConnectionError):
+                await asyncio.sleep(pause)
+                pause *= 2
+            await reload_slots(cluster)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def _take(
@@ -125,8 +159,8 @@ class LeaseContext:
 
     __slots__ = ("_entry", "_hook", "_lease", "_options", "_redis")
 
-    def __init__(self, redis: Redis, options: LeaseOptions, hook: EventHook | None) -> None:
-        self._redis: Redis | None = redis  # None once entered
+    def __init__(self, redis: Client, options: LeaseOptions, hook: EventHook | None) -> None:
+        self._redis: Client | None = redis  # None once entered
         self._options = options
         self._hook = hook
         self._lease: Lease | None = None
@@ -184,7 +218,7 @@ class LeaseContext:
 
 
 def lease(
-    redis: Redis,
+    redis: Client,
     name: str,
     *,
     ttl: float | timedelta = 10.0,
@@ -204,7 +238,9 @@ def lease(
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
     Args:
-        redis: a ``redis.asyncio.Redis`` client (``decode_responses`` either way).
+        redis: a ``redis.asyncio.Redis`` client (``decode_responses`` either way; a
+            Sentinel's ``master_for()`` too) or a ``redis.asyncio.cluster.RedisCluster``
+            (the lease runs on the primary that owns the lock's slot).
         name: the lock's name; non-empty.
         ttl: seconds the key lives in Redis unless renewed; the watchdog renews it every
             ``ttl / 3``. At least 0.03, at most ``9e11`` (every time argument takes a
@@ -301,7 +337,7 @@ def lease(
 
 
 async def acquire(
-    redis: Redis,
+    redis: Client,
     name: str,
     *,
     ttl: float | timedelta = 10.0,
@@ -356,7 +392,7 @@ async def acquire(
 
 
 def _options(
-    redis: Redis,
+    redis: Client,
     name: str,
     ttl: object,
     blocking: bool,

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, MaxConnectionsError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -55,8 +56,10 @@ def encoding_in(settings: Mapping[str, Any]) -> tuple[str, str]:
     return settings.get("encoding", "utf-8"), settings.get("encoding_errors", "strict")
 
 
-def encoding_of(client: Redis) -> tuple[str, str]:
+def encoding_of(client: Redis | RedisCluster) -> tuple[str, str]:
     """The encoding and error handler ``client``'s connections use for arguments."""
+    if isinstance(client, RedisCluster):
+        return encoding_in(client.get_connection_kwargs())
     return encoding_in(client.connection_pool.connection_kwargs)
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import io
 import os
+import random
 import shutil
 import signal
 import socket
@@ -167,6 +168,22 @@ def _free_port(host: str = LOOPBACK) -> int:
         return port
 
 
+def _cluster_port(host: str = LOOPBACK) -> int:
+    """A port free a moment ago, at most 55535, whose cluster bus port (+10000) was free
+    too (a cluster node listens on both)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as low:
+            port = random.randint(20000, 55535)
+            try:
+                low.bind((host, port))
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as high:
+                    high.bind((host, port + 10000))
+            except OSError:
+                continue
+            return port
+    raise ServerStartError("no free pair of ports for a cluster node")
+
+
 # --------------------------------------------------------------------------- #
 # A minimal synchronous RESP client (no event loop needed)
 # --------------------------------------------------------------------------- #
@@ -277,6 +294,9 @@ class RedisServer:
         persistence: fsync every write to an append-only file.
         extra_args: further command-line arguments for the server, e.g.
             ``["--maxmemory", "10mb"]``; they come last and so win.
+        cluster: a Redis Cluster node (``--cluster-enabled yes``, node timeout 2 s) on a
+            port whose cluster bus port (the port + 10000) was free too; join nodes with
+            ``CLUSTER ADDSLOTSRANGE`` and ``CLUSTER MEET`` (see :meth:`command`).
 
     Raises:
         RuntimeError: no binary for *engine* is installed.
@@ -288,9 +308,13 @@ class RedisServer:
         *,
         persistence: bool = False,
         extra_args: Sequence[str] = (),
+        cluster: bool = False,
     ) -> None:
         self._engine, self._binary = find_server_binary(engine)
         self._persistence = persistence
+        self._cluster = cluster
+        if cluster:
+            extra_args = ("--cluster-enabled", "yes", "--cluster-node-timeout", "2000", *extra_args)
         self._extra_args = tuple(extra_args)
         self._replicaof: tuple[str, int] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -386,7 +410,7 @@ class RedisServer:
             return self
         last_error: ServerStartError | None = None
         for _ in range(_START_ATTEMPTS):
-            port = _free_port()
+            port = _cluster_port() if self._cluster else _free_port()
             try:
                 self._launch(port, timeout)
             except ServerStartError as exc:

@@ -1,0 +1,76 @@
+"""Redis Cluster: a lock lives on the primary that owns its slot.
+
+Design note. Every key of a lock shares the hash tag ``{name}``, so one slot, so one
+primary holds all of them and every script runs there whole. A lease on a
+``RedisCluster`` client is therefore a lease on that primary: :func:`node_client` gives
+a plain ``Redis`` client of the primary that owns the lock's slot, made once per node and
+kept on the cluster client, and everything else (the lane, the watchdog that renews in
+batches, the wake-up subscription, handoffs) runs on it as on a single server. Renewals
+are then coalesced per node, and handoffs are as fast as on one server.
+
+A node client's pool keeps no idle connection of its own: a released connection is
+closed. The lane (``_lane``) holds a few while leases come and go and gives them back
+after a second unused, so a busy node costs no reconnects and an idle one holds nothing
+open once the application is done with its cluster client.
+
+Wake-ups use plain pub/sub on the lock's node: a cluster broadcasts ``PUBLISH`` to every
+node, so the subscription sees releases wherever it is; waiting also falls back on the
+holder's time left, as everywhere.
+
+When the slot map changes (a migration, a failover), an acquire refused with ``MOVED`` or
+``ASK``, or unable to reach its node, reloads the map and tries the node that owns the
+slot now (see ``_lifecycle._context``). A held lease stays on its node: after its slot
+migrates, its renewals are refused (``MOVED``), and it is lost at its safe deadline; the
+migrated key keeps its expiry, so nobody else takes the lock before then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import ConnectionPool
+from redis.exceptions import ClusterDownError
+
+__all__ = ["node_client", "reload_slots"]
+
+_NODES: Final = "_asynclock_nodes"  # on a cluster client: node name -> its node client
+
+
+class _NodePool(ConnectionPool):
+    """A node client's pool: connections given back are closed (see the design note)."""
+
+    async def release(self, connection: Any) -> None:
+        try:
+            await connection.disconnect()
+        finally:
+            await super().release(connection)
+
+
+async def node_client(cluster: RedisCluster, key: str) -> Redis:
+    """A ``Redis`` client of the primary that owns ``key``'s slot (by the cluster
+    client's slot map, loaded first if it never was)."""
+    await cluster.initialize()  # (nothing once done)
+    node = cluster.get_node_from_key(key)
+    if node is None:  # (the map has no owner for the slot: the cluster is not ready)
+        raise ClusterDownError(f"no node of the cluster owns the slot of {key!r}")
+    clients: dict[str, Redis] | None = getattr(cluster, _NODES, None)
+    if clients is None:
+        clients = {}
+        setattr(cluster, _NODES, clients)
+    client = clients.get(node.name)
+    if client is None:
+        settings = dict(node.connection_kwargs)
+        pool = _NodePool(
+            connection_class=node.connection_class,
+            max_connections=node.max_connections,
+            **settings,
+        )
+        client = clients[node.name] = Redis(connection_pool=pool)
+    return client
+
+
+async def reload_slots(cluster: RedisCluster) -> None:
+    """Reload the cluster client's slot map (a slot moved, or a node failed over)."""
+    await cluster.nodes_manager.initialize()

@@ -1,0 +1,286 @@
+"""Leases on Redis Cluster (issue 21, A): a real cluster of three primaries
+(``redis-server --cluster-enabled yes``, joined with ``CLUSTER ADDSLOTSRANGE`` and
+``CLUSTER MEET``), a slot migrated while a lease is held, and a new lease after it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+import asynclock
+from asynclock import LockBusy, LockLost, LossReason
+from asynclock.testing import RedisServer, available_engines, keys_left
+
+pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
+
+SLOTS = 16384
+
+
+def _wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout:g} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[RedisServer]]:
+    """Three primaries owning a third of the slots each, the cluster's state ok."""
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(3):
+            servers.append(RedisServer(cluster=True).start())
+        bounds = [0, SLOTS // 3, 2 * SLOTS // 3, SLOTS]
+        for server, low, high in zip(servers, bounds, bounds[1:], strict=False):
+            server.command("CLUSTER", "ADDSLOTSRANGE", low, high - 1)
+        for server in servers[1:]:
+            servers[0].command("CLUSTER", "MEET", "127.0.0.1", server.port)
+        for server in servers:
+            _wait_until(
+                lambda s=server: b"cluster_state:ok" in s.command("CLUSTER", "INFO"),
+                f"node {server.port} did not see the cluster ok",
+            )
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+async def cluster(nodes: list[RedisServer]) -> AsyncIterator[RedisCluster]:
+    client = RedisCluster(host="127.0.0.1", port=nodes[0].port)
+    await client.initialize()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def _owner(nodes: list[RedisServer], key: str) -> RedisServer:
+    """The node that owns ``key``'s slot as the fixture assigned them."""
+    slot = int(nodes[0].command("CLUSTER", "KEYSLOT", key).strip()[1:])
+    bounds = [0, SLOTS // 3, 2 * SLOTS // 3, SLOTS]
+    for server, low, high in zip(nodes, bounds, bounds[1:], strict=False):
+        if low <= slot < high:
+            return server
+    raise AssertionError(slot)
+
+
+async def _all_keys_left(nodes: list[RedisServer], prefix: str) -> list[str]:
+    found: list[str] = []
+    for server in nodes:
+        client = Redis(host="127.0.0.1", port=server.port)
+        try:
+            found += await keys_left(client, prefix)
+        finally:
+            await client.aclose()
+    return found
+
+
+async def test_leases_of_every_kind_on_a_cluster(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """Locks whose slots are on each of the three primaries: exclusion between two
+    cluster clients, a waiter woken by the release (long before the TTL), a semaphore,
+    shared leases, a fair lock, once() and statistics(); nothing left behind."""
+    other = RedisCluster(host="127.0.0.1", port=nodes[1].port)
+    try:
+        names = ["a", "b", "c", "d", "e", "f"]
+        owners = {_owner(nodes, f"{prefix}{{{n}}}").port for n in names}
+        assert len(owners) == 3, "the names do not cover every primary"
+        for name in names:
+            async with asynclock.lease(cluster, name, ttl=5.0, prefix=prefix) as lock:
+                with pytest.raises(LockBusy):
+                    async with asynclock.lease(other, name, blocking=False, prefix=prefix):
+                        pass
+                stats = await asynclock.statistics(other, name, prefix=prefix)
+                assert stats.exclusive
+                assert lock.fencing_token > 0
+
+        # a waiter of another client is woken by the release, not by the TTL (30 s)
+        entered = asyncio.Event()
+
+        async def holder() -> None:
+            async with asynclock.lease(cluster, "w", ttl=30.0, prefix=prefix):
+                entered.set()
+                await asyncio.sleep(0.3)
+
+        async def waiter() -> float:
+            await entered.wait()
+            started = time.monotonic()
+            async with asynclock.lease(other, "w", ttl=30.0, prefix=prefix):
+                return time.monotonic() - started
+
+        _, waited = await asyncio.gather(holder(), waiter())
+        assert waited < 3.0, waited
+
+        async with (
+            asynclock.lease(cluster, "sem", limit=2, prefix=prefix),
+            asynclock.lease(other, "sem", limit=2, prefix=prefix),
+        ):
+            with pytest.raises(LockBusy):
+                async with asynclock.lease(cluster, "sem", limit=2, blocking=False, prefix=prefix):
+                    pass
+        async with (
+            asynclock.lease(cluster, "rw", shared=True, prefix=prefix),
+            asynclock.lease(other, "rw", shared=True, prefix=prefix),
+        ):
+            assert (await asynclock.statistics(cluster, "rw", prefix=prefix)).shared_holders == 2
+        async with asynclock.lease(cluster, "fair", fair=True, prefix=prefix):
+            pass
+
+        async def job() -> int:
+            return 42
+
+        assert await asynclock.once(cluster, "job", job, prefix=prefix) == 42
+        assert await asynclock.once(other, "job", job, prefix=prefix) == 42
+        assert await asynclock.forget(cluster, "job", prefix=prefix)
+        assert await _all_keys_left(nodes, prefix) == []
+    finally:
+        await other.aclose()
+
+
+def _migrate(nodes: list[RedisServer], source: RedisServer, target: RedisServer, key: str) -> None:
+    """Move ``key``'s slot, and its keys, from ``source`` to ``target`` (as
+    ``redis-cli --cluster reshard`` does it)."""
+    slot = int(source.command("CLUSTER", "KEYSLOT", key).strip()[1:])
+    source_id = source.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
+    target_id = target.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
+    target.command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    while True:
+        reply = source.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        names = [line for line in reply.split(b"\r\n")[1:] if line and not line.startswith(b"$")]
+        if not names:
+            break
+        source.command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *names)
+    for server in (target, source, *[n for n in nodes if n not in (source, target)]):
+        server.command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+async def test_a_slot_migrated_while_held_grants_nobody_else(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """The slot of a held lock moves to another primary, its key with it: nobody else
+    gets the lock before the holder's block stopped (its renewals, refused with MOVED,
+    leave it to its safe deadline); then a new lease is taken on the new owner through
+    the same cluster client (its MOVED reloads the slot map)."""
+    key = f"{prefix}{{moving}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    other = RedisCluster(host="127.0.0.1", port=target.port)
+    rival_in: float | None = None
+    holder_out = 0.0
+
+    async def rival() -> None:
+        nonlocal rival_in
+        while True:
+            with contextlib.suppress(LockBusy):
+                async with asynclock.lease(other, "moving", ttl=1.0, blocking=False, prefix=prefix):
+                    rival_in = time.monotonic()
+                    return
+            await asyncio.sleep(0.02)
+
+    try:
+        with pytest.raises(LockLost) as lost:
+            async with asynclock.lease(cluster, "moving", ttl=1.2, prefix=prefix):
+                await anyio.to_thread.run_sync(_migrate, nodes, source, target, key)
+                rival_task = asyncio.create_task(rival())
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    holder_out = time.monotonic()
+        assert lost.value.reason is LossReason.DEADLINE
+        async with asyncio.timeout(10):
+            await rival_task
+        assert rival_in is not None
+        assert rival_in >= holder_out, f"double grant {(holder_out - rival_in) * 1000:.0f} ms"
+        # the first cluster client still has the old map: its acquire is MOVED, reloads
+        async with asynclock.lease(cluster, "moving", ttl=1.0, prefix=prefix) as lock:
+            target_client = Redis(host="127.0.0.1", port=target.port)
+            try:
+                assert await target_client.exists(lock.key) == 1
+            finally:
+                await target_client.aclose()
+    finally:
+        await other.aclose()
+
+
+def _node_id(server: RedisServer) -> str:
+    return server.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
+
+
+async def test_a_failover_of_the_locks_primary(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """The primary of a held lock (confirmed by its replica: min_replicas=1) is
+    SIGKILLed and the cluster promotes its replica: the holder is cancelled at its
+    deadline, nobody gets the lock before that, and new leases reach the new primary
+    through the same cluster clients (their slot maps reloaded)."""
+    key = f"{prefix}{{failover}}"
+    primary = _owner(nodes, key)
+    replica = RedisServer(cluster=True).start()
+    other = RedisCluster(host="127.0.0.1", port=next(n for n in nodes if n is not primary).port)
+    try:
+        primary.command("CLUSTER", "MEET", "127.0.0.1", replica.port)
+        _wait_until(
+            lambda: b"cluster_known_nodes:4" in replica.command("CLUSTER", "INFO"),
+            "the new node did not join",
+        )
+        replica.command("CLUSTER", "REPLICATE", _node_id(primary))
+        _wait_until(
+            lambda: b"master_link_status:up" in replica.command("INFO", "replication"),
+            "the replica did not sync",
+        )
+        await other.initialize()
+        rival_in: float | None = None
+        holder_out = 0.0
+
+        async def rival() -> None:
+            nonlocal rival_in
+            while True:
+                with contextlib.suppress(LockBusy, RedisError):
+                    async with asynclock.lease(
+                        other, "failover", ttl=1.0, blocking=False, prefix=prefix
+                    ):
+                        rival_in = time.monotonic()
+                        return
+                await asyncio.sleep(0.05)
+
+        with pytest.raises(LockLost):
+            async with asynclock.lease(
+                cluster, "failover", ttl=1.5, min_replicas=1, prefix=prefix, release_timeout=0.3
+            ):
+                primary.kill()
+                rival_task = asyncio.create_task(rival())
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    holder_out = time.monotonic()
+        async with asyncio.timeout(30):
+            await rival_task
+        assert rival_in is not None
+        assert rival_in >= holder_out
+        async with asyncio.timeout(30):
+            while True:  # (the first client's map names the dead primary until reloaded)
+                with contextlib.suppress(LockBusy, RedisError):
+                    async with asynclock.lease(cluster, "failover", ttl=1.0, prefix=prefix) as lock:
+                        promoted = Redis(host="127.0.0.1", port=replica.port)
+                        try:
+                            assert await promoted.exists(lock.key) == 1
+                        finally:
+                            await promoted.aclose()
+                        break
+                await asyncio.sleep(0.05)
+    finally:
+        await other.aclose()
+        replica.stop()
