@@ -42,6 +42,7 @@ from ._lifecycle._context import lease as lease
 from ._lifecycle._lease import Lease as Lease
 from ._lifecycle._lease import LeaseGuard as LeaseGuard
 from ._lifecycle._lease import LeaseState as LeaseState
+from ._lifecycle._redlock import RedlockLease as RedlockLease
 
 try:
     __version__ = _version("asynclock")
@@ -64,6 +65,7 @@ __all__ = [
     "LockLost",
     "LockStatistics",
     "LossReason",
+    "RedlockLease",
     "ReplicationTimeout",
     "Serializer",
     "acquire",

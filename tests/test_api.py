@@ -30,6 +30,7 @@ def test_public_names_are_pinned() -> None:
         "LockLost",
         "LockStatistics",
         "LossReason",
+        "RedlockLease",
         "ReplicationTimeout",
         "Serializer",
         "acquire",

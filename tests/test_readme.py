@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from asynclock.testing import ServerInfo, available_engines, find_postgres_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ("README.md", "docs/testing.md")  # files whose python blocks must run
+RUN = ("README.md", "docs/testing.md", "docs/recipes.md")  # files whose python blocks must run
 TIME_BOUND = 60.0  # seconds for one block, drivers included
 README_MAX_LINES = 400
 

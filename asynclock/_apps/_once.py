@@ -26,7 +26,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 from .._base._exceptions import IdempotencyConflict, LockLost, LossReason
 from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
 from .._kinds._mutex import Job, JobConflict, JobDone
-from .._lifecycle._context import take
+from .._lifecycle._take import take
 from .._redis._lane import encoding_of
 
 __all__ = ["Serializer", "forget", "idempotent", "once"]

@@ -147,6 +147,9 @@ class LeaseOptions:
     """Many shared holders at once, none beside an exclusive one (see ``_shared``)."""
     min_replicas: int = 0
     """Replicas that must confirm (``WAIT``) an acquisition and each renewal (0: none)."""
+    redlock_blocking: tuple[bool, float | None] = (False, None)
+    """For one server of a Redlock (made non-blocking): the Redlock's own ``blocking``
+    and ``blocking_timeout``."""
     slot: int = -1
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     reader: str = ""
@@ -193,6 +196,15 @@ class LeaseOptions:
     def readers_key(self) -> str:
         """The sorted set of a lock's shared holders (token -> until, server ms)."""
         return self.base_key + ":readers"
+
+    def for_redlock(self) -> LeaseOptions:
+        """These options for one server of a Redlock: one attempt (see ``_redlock``)."""
+        return replace(
+            self,
+            blocking=False,
+            blocking_timeout=None,
+            redlock_blocking=(self.blocking, self.blocking_timeout),
+        )
 
     def for_reader(self, token: str) -> LeaseOptions:
         """These options for a shared lease held with ``token`` (its own key)."""

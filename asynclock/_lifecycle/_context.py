@@ -11,147 +11,23 @@ which case it is left first (it would cancel the release too).
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Sequence
 from datetime import timedelta
 from types import TracebackType
+from typing import cast, overload
 
-from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AskError, MovedError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._base._events import EventHook, LeaseEventKind
 from .._base._options import Client, LeaseOptions
-from .._kinds._fair import FairAcquisition
-from .._kinds._mutex import Acquisition, Job, JobConflict, JobDone
-from .._kinds._permits import PermitAcquisition
-from .._kinds._shared import SharedAcquisition
-from .._redis._cluster import node_client, reload_slots
-from .._redis._lane import not_sent
-from .._session._connections import Companion, HoldEntry, companion_for
+from .._session._connections import HoldEntry
 from ._lease import Lease, LeaseState
-from ._release import Wake, after_release, unretain
+from ._redlock import RedlockContext, RedlockLease, acquire_redlock
+from ._release import Wake, after_release
 from ._release import release as release_lease
-from ._replicas import confirm_replicas
+from ._take import take
 
 __all__ = ["LeaseContext", "acquire", "lease"]
-
-_LETTING_GO: set[asyncio.Task[None]] = set()  # see take()
-
-
-async def take(
-    redis: Client, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
-) -> Lease:
-    """Acquire the lock of ``options`` (see ``Acquisition``; ``job``: for ``once()``): the
-    held lease, not yet watched (the caller starts it without awaiting first), and, with
-    ``min_replicas``, confirmed by that many replicas (see ``_replicas``)."""
-    if isinstance(redis, RedisCluster):
-        held = await _take_on_cluster(redis, options, hook, job)
-    else:
-        held = await _take(redis, options, hook, job)
-    if options.min_replicas:
-        await confirm_replicas(held)
-    return held
-
-
-_SLOT_TRIES = 5  # attempts on a cluster whose slot map changes under us
-_SLOT_PAUSE = 0.05  # seconds before the first retry after ASK/TRYAGAIN (doubled each)
-
-
-async def _take_on_cluster(
-    cluster: RedisCluster, options: LeaseOptions, hook: EventHook | None, job: Job | None
-) -> Lease:
-    """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
-    ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
-    tries again; ``ASK`` or ``TRYAGAIN`` (the slot is migrating) waits a little first."""
-    pause = _SLOT_PAUSE
-    for attempt in range(_SLOT_TRIES):
-        node = await node_client(cluster, options.base_key)
-        try:
-            return await _take(node, options, hook, job)
-        except (MovedError, AskError, TryAgainError, RedisConnectionError) as exc:
-            last = attempt == _SLOT_TRIES - 1
-            if last or (isinstance(exc, RedisConnectionError) and not not_sent(exc)):
-                raise
-            if not isinstance(exc, MovedError | RedisConnectionError):
-                await asyncio.sleep(pause)
-                pause *= 2
-            await reload_slots(cluster)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def _take(
-    redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None
-) -> Lease:
-    companion = companion_for(redis)
-    if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
-        return await _take_permit(companion, options, hook)
-    # (a shared lease too: taken again while a writer waits, it would wait for itself)
-    companion.check_not_holding(options.base_key, options.name)
-    if options.fair:
-        return await _take_fair(companion, options, hook)
-    if options.shared:
-        return await _take_shared(companion, options, hook)
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await Acquisition(companion, options, job).run()
-    except (JobDone, JobConflict):
-        # A job's result (or conflict): its caller returns at once; letting go of the
-        # companion (closing idle side connections) goes on in the background.
-        task = companion.loop.create_task(unretain(companion), name="asynclock-unretain")
-        _LETTING_GO.add(task)
-        task.add_done_callback(_LETTING_GO.discard)
-        raise
-    except BaseException:
-        await unretain(companion)
-        raise
-    # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
-    suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
-    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook, suffix)
-
-
-async def _take_permit(
-    companion: Companion, options: LeaseOptions, hook: EventHook | None
-) -> Lease:
-    """``take()`` for a permit of the semaphore of ``options`` (see ``_permits``): a lease
-    on the permit's own key."""
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await PermitAcquisition(companion, options).run()
-    except BaseException:
-        await unretain(companion)
-        raise
-    permit = options.permit(grant.slot)
-    return Lease(permit, companion, grant.token, grant.fencing_token, grant.t_send, hook)
-
-
-async def _take_fair(companion: Companion, options: LeaseOptions, hook: EventHook | None) -> Lease:
-    """``take()`` for a fair lock (see ``_fair``): the plain lock's lease, in turn."""
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await FairAcquisition(companion, options).run()
-    except BaseException:
-        await unretain(companion)
-        raise
-    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
-
-
-async def _take_shared(
-    companion: Companion, options: LeaseOptions, hook: EventHook | None
-) -> Lease:
-    """``take()`` for a shared lease (see ``_shared``): a lease on a key of its own."""
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await SharedAcquisition(companion, options).run()
-    except BaseException:
-        await unretain(companion)
-        raise
-    held = options.for_reader(grant.token)
-    return Lease(held, companion, grant.token, grant.fencing_token, grant.t_send, hook)
 
 
 class LeaseContext:
@@ -217,8 +93,48 @@ class LeaseContext:
             held._raise_loss(body_error, "this block")
 
 
+@overload
 def lease(
     redis: Client,
+    name: str,
+    *,
+    ttl: float | timedelta = ...,
+    blocking: bool = ...,
+    blocking_timeout: float | timedelta | None = ...,
+    release_timeout: float | timedelta = ...,
+    prefix: str = ...,
+    on_event: EventHook | None = ...,
+    fence_ttl: float | timedelta | None = ...,
+    hold_at_least: float | timedelta | None = ...,
+    max_hold: float | timedelta | None = ...,
+    limit: int = ...,
+    fair: bool = ...,
+    shared: bool = ...,
+    min_replicas: int = ...,
+) -> LeaseContext: ...
+@overload
+def lease(
+    redis: Sequence[Client],
+    name: str,
+    *,
+    ttl: float | timedelta = ...,
+    blocking: bool = ...,
+    blocking_timeout: float | timedelta | None = ...,
+    release_timeout: float | timedelta = ...,
+    prefix: str = ...,
+    on_event: EventHook | None = ...,
+    fence_ttl: float | timedelta | None = ...,
+    hold_at_least: float | timedelta | None = ...,
+    max_hold: float | timedelta | None = ...,
+    limit: int = ...,
+    fair: bool = ...,
+    shared: bool = ...,
+    min_replicas: int = ...,
+) -> RedlockContext: ...
+
+
+def lease(
+    redis: Client | Sequence[Client],
     name: str,
     *,
     ttl: float | timedelta = 10.0,
@@ -234,7 +150,7 @@ def lease(
     fair: bool = False,
     shared: bool = False,
     min_replicas: int = 0,
-) -> LeaseContext:
+) -> LeaseContext | RedlockContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
     Args:
@@ -316,8 +232,27 @@ def lease(
 
     ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
     """
+    if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
+        servers = _redlock_options(
+            redis,
+            name,
+            ttl,
+            blocking,
+            blocking_timeout,
+            release_timeout,
+            prefix,
+            on_event,
+            fence_ttl,
+            hold_at_least,
+            max_hold,
+            limit,
+            fair,
+            shared,
+            min_replicas,
+        )
+        return RedlockContext(redis, servers, on_event)
     options = _options(
-        redis,
+        cast(Client, redis),  # (a client, or _options raises TypeError)
         name,
         ttl,
         blocking,
@@ -333,11 +268,51 @@ def lease(
         shared,
         min_replicas,
     )
-    return LeaseContext(redis, options, on_event)
+    return LeaseContext(cast(Client, redis), options, on_event)
+
+
+@overload
+async def acquire(
+    redis: Client,
+    name: str,
+    *,
+    ttl: float | timedelta = ...,
+    blocking: bool = ...,
+    blocking_timeout: float | timedelta | None = ...,
+    release_timeout: float | timedelta = ...,
+    prefix: str = ...,
+    on_event: EventHook | None = ...,
+    fence_ttl: float | timedelta | None = ...,
+    hold_at_least: float | timedelta | None = ...,
+    max_hold: float | timedelta | None = ...,
+    limit: int = ...,
+    fair: bool = ...,
+    shared: bool = ...,
+    min_replicas: int = ...,
+) -> Lease: ...
+@overload
+async def acquire(
+    redis: Sequence[Client],
+    name: str,
+    *,
+    ttl: float | timedelta = ...,
+    blocking: bool = ...,
+    blocking_timeout: float | timedelta | None = ...,
+    release_timeout: float | timedelta = ...,
+    prefix: str = ...,
+    on_event: EventHook | None = ...,
+    fence_ttl: float | timedelta | None = ...,
+    hold_at_least: float | timedelta | None = ...,
+    max_hold: float | timedelta | None = ...,
+    limit: int = ...,
+    fair: bool = ...,
+    shared: bool = ...,
+    min_replicas: int = ...,
+) -> RedlockLease: ...
 
 
 async def acquire(
-    redis: Client,
+    redis: Client | Sequence[Client],
     name: str,
     *,
     ttl: float | timedelta = 10.0,
@@ -353,7 +328,7 @@ async def acquire(
     fair: bool = False,
     shared: bool = False,
     min_replicas: int = 0,
-) -> Lease:
+) -> Lease | RedlockLease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
 
@@ -368,8 +343,27 @@ async def acquire(
     :func:`lease`; ``TypeError``/``ValueError`` for bad arguments are raised before any
     I/O. A cancellation while acquiring leaves no key behind.
     """
+    if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
+        servers = _redlock_options(
+            redis,
+            name,
+            ttl,
+            blocking,
+            blocking_timeout,
+            release_timeout,
+            prefix,
+            on_event,
+            fence_ttl,
+            hold_at_least,
+            max_hold,
+            limit,
+            fair,
+            shared,
+            min_replicas,
+        )
+        return await acquire_redlock(redis, servers, on_event)
     options = _options(
-        redis,
+        cast(Client, redis),  # (a client, or _options raises TypeError)
         name,
         ttl,
         blocking,
@@ -385,7 +379,7 @@ async def acquire(
         shared,
         min_replicas,
     )
-    held = await take(redis, options, on_event)
+    held = await take(cast(Client, redis), options, on_event)
     held._start(None)
     held._event(LeaseEventKind.ACQUIRED)
     return held
@@ -428,3 +422,60 @@ def _options(
         shared,
         min_replicas,
     )
+
+
+def _redlock_options(
+    servers: Sequence[object],
+    name: str,
+    ttl: object,
+    blocking: bool,
+    blocking_timeout: object,
+    release_timeout: object,
+    prefix: str,
+    on_event: object,
+    fence_ttl: object,
+    hold_at_least: object,
+    max_hold: object,
+    limit: object,
+    fair: object,
+    shared: object,
+    min_replicas: object,
+) -> list[LeaseOptions]:
+    """The options of a Redlock's servers (one attempt each), or ``TypeError`` /
+    ``ValueError`` before any I/O: at least 3 distinct clients of single servers, and
+    only the options of a plain lock."""
+    if len(servers) < 3:
+        raise ValueError(
+            f"redis: a Redlock needs at least 3 independent servers, got {len(servers)}"
+        )
+    if len({id(server) for server in servers}) != len(servers):
+        raise ValueError("redis: a Redlock's servers must be distinct clients")
+    for server in servers:
+        if isinstance(server, RedisCluster):
+            raise TypeError("redis: a Redlock's servers must be single servers, not clusters")
+    unsupported = {
+        "hold_at_least": hold_at_least is not None,
+        "max_hold": max_hold is not None,
+        "limit": limit != 1,
+        "fair": fair is not False,
+        "shared": shared is not False,
+        "min_replicas": min_replicas != 0,
+    }
+    for option, given in unsupported.items():
+        if given:
+            raise ValueError(f"{option} cannot be given with a list of servers (Redlock)")
+    return [
+        _options(
+            cast(Client, server),
+            name,
+            ttl,
+            blocking,
+            blocking_timeout,
+            release_timeout,
+            prefix,
+            on_event,
+            fence_ttl,
+            None,
+        ).for_redlock()
+        for server in servers
+    ]

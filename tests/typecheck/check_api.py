@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import assert_type
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 import asynclock
 from asynclock import Lease, LeaseState, LockLost, LossReason
@@ -47,3 +48,18 @@ async def held_without_a_block(redis: Redis) -> None:
     async with lock.guard() as guarded:
         assert_type(guarded, Lease)
     await lock.release()
+
+
+async def deployments(cluster: RedisCluster, r1: Redis, r2: Redis, r3: Redis) -> int:
+    async with asynclock.lease(cluster, "x", min_replicas=1) as on_cluster:
+        assert_type(on_cluster, Lease)
+    async with asynclock.lease([r1, r2, r3], "x", ttl=5) as redlock:
+        assert_type(redlock, asynclock.RedlockLease)
+        assert_type(redlock.held_on, int)
+    held = await asynclock.acquire([r1, r2, r3], "x")
+    assert_type(held, asynclock.RedlockLease)
+    await held.release()
+    single = await asynclock.acquire(r1, "x")
+    assert_type(single, Lease)
+    await single.release()
+    return redlock.fencing_token

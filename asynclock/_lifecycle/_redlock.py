@@ -1,0 +1,348 @@
+"""Redlock, experimental: one lock over N independent Redis servers, held on a majority.
+
+Design note. ``lease([r1, r2, r3], name)`` takes a plain lease (``take``) of the lock on
+every server at once, one attempt each, bounded by a third of the TTL: a server that
+does not answer by then counts as not granting (its attempt is cancelled, which undoes
+it). The lock is held when a majority granted it and, counting from when the attempts
+were sent, at least a third of the TTL is left (the validity: ``ttl`` minus the time
+taken minus the drift, as each lease's ``safe_until`` already counts it). Otherwise
+every lease taken is given back and, while ``blocking``, the attempt is made again after
+a random pause (Redlock polls: there is no wake-up across servers).
+
+Each lease taken is an ordinary lease of its server: renewed by its client's watchdog,
+lost at its own safe deadline, given back on exit. The Redlock lease listens to their
+losses: once fewer than a majority are left, it is lost, and the guarded block (or each
+``guard()``) is cancelled. So its safe deadline is the majority-th latest of its leases'
+deadlines, each of which comes before that server's key can expire.
+
+Its fencing token is the largest of its leases' tokens. Each server's tokens rise, and
+two majorities share a server, but the largest of tokens minted on different servers
+rises only while those servers' clocks agree better than the time between two holders
+(tokens are the server's clock in microseconds, or above): a weaker token than a single
+server's. The known critique (Kleppmann, 2016) applies: a process paused past its
+validity, or clocks that jump, break the mutual exclusion; fencing is what protects the
+resource then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Sequence
+from types import TracebackType
+
+import anyio
+
+from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit
+from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
+from .._base._options import Client, LeaseOptions
+from ._lease import Lease, LeaseState
+from ._take import take
+
+__all__ = ["RedlockContext", "RedlockLease", "acquire_redlock"]
+
+_RETRY_PAUSE = 0.2  # seconds: the most a blocking Redlock waits between rounds
+
+
+class RedlockLease:
+    """A lock held on a majority of independent servers (see :func:`asynclock.lease`
+    with a list of clients). Experimental. Times in seconds, loop time.
+
+    ``fencing_token`` is the largest of the servers' tokens; read the limits in the
+    README before relying on it. ``state`` is HELD while a majority of the servers'
+    leases is held, SUSPECT while only a majority is left with some of them renewing
+    late, LOST once fewer than a majority are left, RELEASED once given back.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ttl: float,
+        leases: list[Lease],
+        quorum: int,
+        servers: int,
+        hook: EventHook | None = None,
+    ) -> None:
+        self._hook = hook
+        self._name = name
+        self._ttl = ttl
+        self._leases = leases
+        self._quorum = quorum
+        self._servers = servers
+        self._lost: LossReason | None = None
+        self._released = False
+        self._scopes: list[anyio.CancelScope] = []
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def ttl(self) -> float:
+        return self._ttl
+
+    @property
+    def servers(self) -> int:
+        """How many servers the lock is taken over."""
+        return self._servers
+
+    @property
+    def held_on(self) -> int:
+        """On how many servers the lease is held now (at least a majority while held)."""
+        return sum(lease.state in (LeaseState.HELD, LeaseState.SUSPECT) for lease in self._leases)
+
+    @property
+    def fencing_token(self) -> int:
+        """The largest of the servers' fencing tokens (see the class's limits)."""
+        return max(lease.fencing_token for lease in self._leases)
+
+    @property
+    def state(self) -> LeaseState:
+        if self._lost is not None:
+            return LeaseState.LOST
+        if self._released:
+            return LeaseState.RELEASED
+        healthy = sum(lease.state is LeaseState.HELD for lease in self._leases)
+        return LeaseState.HELD if healthy >= self._quorum else LeaseState.SUSPECT
+
+    @property
+    def lost_reason(self) -> LossReason | None:
+        return self._lost
+
+    @property
+    def safe_until(self) -> float:
+        """Loop time until which a majority of the servers' leases is known held."""
+        deadlines = sorted(
+            (lease.safe_until for lease in self._leases if lease.state in _LIVE), reverse=True
+        )
+        if len(deadlines) < self._quorum:
+            return 0.0
+        return deadlines[self._quorum - 1]
+
+    @property
+    def time_left(self) -> float:
+        """Seconds left before the safe deadline; 0.0 once lost or released."""
+        if self._lost is not None or self._released:
+            return 0.0
+        return max(0.0, self.safe_until - self._loop.time())
+
+    async def is_held(self) -> bool:
+        """Whether the lock is still held on a majority (a checkpoint, answered locally)."""
+        await asyncio.sleep(0)
+        return self.time_left > 0
+
+    def guard(self) -> _Guard:
+        """``async with lock.guard():``: a stretch of work that the loss of the majority
+        cancels (raising ``LockLost`` at its exit). For a lock of :func:`acquire`."""
+        return _Guard(self)
+
+    async def release(self) -> None:
+        """Give the lock back on every server (each release shielded and bounded by
+        ``release_timeout``). Raises ``LockLost`` if the majority was lost before."""
+        if not self._released:
+            self._released = True
+            await _release_all(self._leases)
+        if self._lost is not None:
+            raise LockLost(self._name, self._lost)
+
+    def _on_event(self, event: LeaseEvent) -> None:
+        """A server's lease was lost: the Redlock is lost once fewer than a majority
+        are left, and every scope under it cancelled."""
+        if event.kind is not LeaseEventKind.LOST or self._lost is not None or self._released:
+            return
+        if self.held_on < self._quorum:
+            self._lost = LossReason(event.detail) if event.detail in _REASONS else None
+            self._lost = self._lost or LossReason.DEADLINE
+            for scope in self._scopes:
+                scope.cancel()
+            loss = LeaseEvent(
+                LeaseEventKind.LOST,
+                self._name,
+                self.fencing_token,
+                event.at,
+                event.safe_until,
+                self._lost.value,
+            )
+            emit(self._hook, loss)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RedlockLease {self._name!r} {self.state.name} on {self.held_on} of "
+            f"{self._servers} servers>"
+        )
+
+
+_LIVE = (LeaseState.HELD, LeaseState.SUSPECT)
+_REASONS = {reason.value for reason in LossReason}
+
+
+class _Guard:
+    def __init__(self, lock: RedlockLease) -> None:
+        self._lock = lock
+        self._scope = anyio.CancelScope()
+
+    async def __aenter__(self) -> RedlockLease:
+        lock = self._lock
+        if lock._lost is not None:
+            raise LockLost(lock.name, lock._lost)
+        lock._scopes.append(self._scope)
+        self._scope.__enter__()
+        return lock
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lock = self._lock
+        swallowed = self._scope.__exit__(exc_type, exc, tb)
+        lock._scopes.remove(self._scope)
+        if lock._lost is not None and (exc is None or swallowed):
+            raise LockLost(lock.name, lock._lost)
+
+
+class RedlockContext:
+    """``async with lease([r1, r2, r3], name)``: the block runs while a majority holds
+    the lock, and is cancelled once it does not (``LockLost`` at its exit)."""
+
+    def __init__(
+        self, servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None
+    ) -> None:
+        self._servers = list(servers)
+        self._options = options
+        self._hook = hook
+        self._lock: RedlockLease | None = None
+        self._guard: _Guard | None = None
+
+    async def __aenter__(self) -> RedlockLease:
+        if self._lock is not None:
+            raise RuntimeError("a lease() context manager can be entered only once")
+        self._lock = await acquire_redlock(self._servers, self._options, self._hook)
+        self._guard = self._lock.guard()
+        await self._guard.__aenter__()
+        return self._lock
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lock, guard = self._lock, self._guard
+        assert lock is not None
+        assert guard is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await _release_all(lock._leases)
+            lock._released = True
+        finally:
+            await guard.__aexit__(exc_type, exc, tb)
+
+
+async def acquire_redlock(
+    servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None
+) -> RedlockLease:
+    """Take the lock on a majority of ``servers`` (``options``: one per server, each
+    non-blocking; ``blocking`` and ``blocking_timeout`` are taken from the first one's
+    ``redlock_blocking``). See the design note.
+
+    Raises:
+        LockBusy: not blocking, and fewer than a majority granted the lock.
+        AcquireTimeout: blocking, and ``blocking_timeout`` passed first.
+        redis.exceptions.RedisError: not blocking, and no server could be reached.
+    """
+    first = options[0]
+    blocking, timeout = first.redlock_blocking
+    quorum = len(servers) // 2 + 1
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        lock = RedlockLease(first.name, first.ttl, [], quorum, len(servers), hook)
+        t_start = loop.time()
+        leases, errors = await _take_all(servers, options, lock, first.ttl / 3)
+        if len(leases) >= quorum:
+            lock._leases = leases
+            if lock.safe_until - loop.time() >= first.ttl / 3:
+                event = LeaseEvent(
+                    LeaseEventKind.ACQUIRED,
+                    first.name,
+                    lock.fencing_token,
+                    t_start,
+                    lock.safe_until,
+                )
+                emit(hook, event)
+                return lock
+        await _release_all(leases)
+        if not blocking:
+            if errors and len(errors) == len(servers):
+                raise errors[0]
+            raise LockBusy(first.name)
+        pause = random.uniform(0, min(_RETRY_PAUSE, first.ttl / 3))
+        if deadline is not None and deadline - loop.time() <= pause:
+            raise AcquireTimeout(first.name, timeout or 0.0, "no majority of the servers")
+        await asyncio.sleep(pause)
+
+
+async def _take_all(
+    servers: Sequence[Client], options: list[LeaseOptions], lock: RedlockLease, limit: float
+) -> tuple[list[Lease], list[BaseException]]:
+    """One attempt on every server at once, for at most ``limit`` seconds: the leases
+    taken (started, each reporting its losses to ``lock``) and the errors raised. An
+    attempt still running at the limit is cancelled (which undoes it); one that took
+    the lock all the same is given back when it ends."""
+    tasks = [
+        asyncio.ensure_future(take(server, o, lock._on_event))
+        for server, o in zip(servers, options, strict=True)
+    ]
+    try:
+        await asyncio.wait(tasks, timeout=limit)
+    except BaseException:
+        for task in tasks:
+            task.add_done_callback(_give_back_late)
+            task.cancel()
+        raise
+    leases: list[Lease] = []
+    errors: list[BaseException] = []
+    for task in tasks:
+        if not task.done():
+            task.add_done_callback(_give_back_late)
+            task.cancel()
+            continue
+        error = task.exception()
+        if error is None:
+            lease = task.result()
+            lease._start(None)
+            leases.append(lease)
+        elif not isinstance(error, LockBusy):
+            errors.append(error)
+    return leases, errors
+
+
+_LATE: set[asyncio.Task[None]] = set()
+
+
+def _give_back_late(task: asyncio.Future[Lease]) -> None:
+    """An attempt cancelled at the limit (or with its caller) that took the lock all the
+    same: give the lease back (in the background)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    lease = task.result()
+    lease._start(None)
+    late = asyncio.ensure_future(_release_all([lease]))
+    _LATE.add(late)
+    late.add_done_callback(_LATE.discard)
+
+
+async def _release_all(leases: list[Lease]) -> None:
+    """Give back every lease at once; each release is shielded and bounded, and a loss
+    it reports is the Redlock's business, not an error here."""
+
+    async def one(lease: Lease) -> None:
+        with contextlib.suppress(LockLost):
+            await lease.release()
+
+    if leases:
+        await asyncio.gather(*(one(lease) for lease in leases), return_exceptions=True)

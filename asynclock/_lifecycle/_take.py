@@ -1,0 +1,150 @@
+"""Taking a lock: the kind's acquisition on the right server, as a ``Lease``.
+
+Design note. ``take`` picks the way in of the lease's kind (``_kinds``), on the server
+that holds the lock (for a Redis Cluster, the primary that owns its slot, see
+``_redis._cluster``), and returns the held lease, not yet watched: its caller starts it
+with no await in between, so a cancellation cannot fall between the grant and the lease
+that owns it. With ``min_replicas`` the lease is confirmed by replicas first
+(``_replicas``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AskError, MovedError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from .._base._events import EventHook
+from .._base._options import Client, LeaseOptions
+from .._kinds._fair import FairAcquisition
+from .._kinds._mutex import Acquisition, Job, JobConflict, JobDone
+from .._kinds._permits import PermitAcquisition
+from .._kinds._shared import SharedAcquisition
+from .._redis._cluster import node_client, reload_slots
+from .._redis._lane import not_sent
+from .._session._connections import Companion, companion_for
+from ._lease import Lease
+from ._release import unretain
+from ._replicas import confirm_replicas
+
+__all__ = ["take"]
+
+_LETTING_GO: set[asyncio.Task[None]] = set()  # see take()
+
+
+async def take(
+    redis: Client, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
+) -> Lease:
+    """Acquire the lock of ``options`` (see ``Acquisition``; ``job``: for ``once()``): the
+    held lease, not yet watched (the caller starts it without awaiting first), and, with
+    ``min_replicas``, confirmed by that many replicas (see ``_replicas``)."""
+    if isinstance(redis, RedisCluster):
+        held = await _take_on_cluster(redis, options, hook, job)
+    else:
+        held = await _take(redis, options, hook, job)
+    if options.min_replicas:
+        await confirm_replicas(held)
+    return held
+
+
+_SLOT_TRIES = 5  # attempts on a cluster whose slot map changes under us
+_SLOT_PAUSE = 0.05  # seconds before the first retry after ASK/TRYAGAIN (doubled each)
+
+
+async def _take_on_cluster(
+    cluster: RedisCluster, options: LeaseOptions, hook: EventHook | None, job: Job | None
+) -> Lease:
+    """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
+    ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
+    tries again; ``ASK`` or ``TRYAGAIN`` (the slot is migrating) waits a little first."""
+    pause = _SLOT_PAUSE
+    for attempt in range(_SLOT_TRIES):
+        node = await node_client(cluster, options.base_key)
+        try:
+            return await _take(node, options, hook, job)
+        except (MovedError, AskError, TryAgainError, RedisConnectionError) as exc:
+            last = attempt == _SLOT_TRIES - 1
+            if last or (isinstance(exc, RedisConnectionError) and not not_sent(exc)):
+                raise
+            if not isinstance(exc, MovedError | RedisConnectionError):
+                await asyncio.sleep(pause)
+                pause *= 2
+            await reload_slots(cluster)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _take(
+    redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None
+) -> Lease:
+    companion = companion_for(redis)
+    if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
+        return await _take_permit(companion, options, hook)
+    # (a shared lease too: taken again while a writer waits, it would wait for itself)
+    companion.check_not_holding(options.base_key, options.name)
+    if options.fair:
+        return await _take_fair(companion, options, hook)
+    if options.shared:
+        return await _take_shared(companion, options, hook)
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await Acquisition(companion, options, job).run()
+    except (JobDone, JobConflict):
+        # A job's result (or conflict): its caller returns at once; letting go of the
+        # companion (closing idle side connections) goes on in the background.
+        task = companion.loop.create_task(unretain(companion), name="asynclock-unretain")
+        _LETTING_GO.add(task)
+        task.add_done_callback(_LETTING_GO.discard)
+        raise
+    except BaseException:
+        await unretain(companion)
+        raise
+    # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
+    suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
+    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook, suffix)
+
+
+async def _take_permit(
+    companion: Companion, options: LeaseOptions, hook: EventHook | None
+) -> Lease:
+    """``take()`` for a permit of the semaphore of ``options`` (see ``_permits``): a lease
+    on the permit's own key."""
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await PermitAcquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    permit = options.permit(grant.slot)
+    return Lease(permit, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+
+
+async def _take_fair(companion: Companion, options: LeaseOptions, hook: EventHook | None) -> Lease:
+    """``take()`` for a fair lock (see ``_fair``): the plain lock's lease, in turn."""
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await FairAcquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+
+
+async def _take_shared(
+    companion: Companion, options: LeaseOptions, hook: EventHook | None
+) -> Lease:
+    """``take()`` for a shared lease (see ``_shared``): a lease on a key of its own."""
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        grant = await SharedAcquisition(companion, options).run()
+    except BaseException:
+        await unretain(companion)
+        raise
+    held = options.for_reader(grant.token)
+    return Lease(held, companion, grant.token, grant.fencing_token, grant.t_send, hook)

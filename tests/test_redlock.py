@@ -1,0 +1,186 @@
+"""Redlock, experimental (issue 21, D): ``lease([r1, r2, r3], name)`` over three real,
+independent servers; faults by SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import AcquireTimeout, LeaseEventKind, LockBusy, LockLost, LossReason
+from asynclock.testing import RedisServer, available_engines, keys_left
+
+pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
+
+
+@pytest.fixture
+def servers() -> Iterator[list[RedisServer]]:
+    started: list[RedisServer] = []
+    try:
+        for _ in range(3):
+            started.append(RedisServer().start())
+        yield started
+    finally:
+        for server in started:
+            server.resume()
+            server.stop()
+
+
+async def _clients(servers: list[RedisServer]) -> list[Redis]:
+    return [Redis.from_url(server.url, socket_timeout=5.0) for server in servers]
+
+
+@pytest.fixture
+async def first(servers: list[RedisServer]) -> AsyncIterator[list[Redis]]:
+    clients = await _clients(servers)
+    yield clients
+    for client in clients:
+        await client.aclose()
+
+
+@pytest.fixture
+async def second(servers: list[RedisServer]) -> AsyncIterator[list[Redis]]:
+    clients = await _clients(servers)
+    yield clients
+    for client in clients:
+        await client.aclose()
+
+
+async def _keys(clients: list[Redis], prefix: str) -> list[str]:
+    return [key for client in clients for key in await keys_left(client, prefix)]
+
+
+@pytest.mark.parametrize(
+    ("servers_given", "options", "error"),
+    [
+        (2, {}, ValueError),
+        (3, {"limit": 2}, ValueError),
+        (3, {"shared": True}, ValueError),
+        (3, {"fair": True}, ValueError),
+        (3, {"min_replicas": 1}, ValueError),
+        (3, {"max_hold": 5.0}, ValueError),
+        (3, {"ttl": -1}, ValueError),
+    ],
+)
+async def test_bad_redlock_arguments_are_refused_before_any_io(
+    servers_given: int, options: dict[str, object], error: type
+) -> None:
+    clients = [Redis(host="127.0.0.1", port=1) for _ in range(servers_given)]  # (nothing there)
+    with pytest.raises(error):
+        asynclock.lease(clients, "x", **options)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        await asynclock.acquire(clients, "x", **options)  # type: ignore[arg-type]
+    same = clients[0]
+    with pytest.raises(ValueError, match="distinct"):
+        asynclock.lease([same, same, same], "x")
+    for client in clients:
+        await client.aclose()
+
+
+async def test_held_on_every_server_and_exclusive(
+    first: list[Redis], second: list[Redis], prefix: str
+) -> None:
+    """Taken on all three servers, renewed past its TTL, exclusive against another set
+    of clients, given back everywhere; a blocking rival gets it after the release."""
+    events: list[asynclock.LeaseEvent] = []
+    async with asynclock.lease(
+        first, "job", ttl=0.6, prefix=prefix, on_event=events.append
+    ) as lock:
+        assert lock.held_on == 3
+        assert lock.servers == 3
+        assert lock.state is asynclock.LeaseState.HELD
+        assert lock.fencing_token > 0
+        with pytest.raises(LockBusy):
+            async with asynclock.lease(second, "job", blocking=False, prefix=prefix):
+                pass
+        await asyncio.sleep(1.0)  # (past the TTL: renewed on every server)
+        assert lock.held_on == 3
+        assert lock.time_left > 0.2
+    assert lock.state is asynclock.LeaseState.RELEASED
+    assert [e.kind for e in events] == [LeaseEventKind.ACQUIRED]
+    assert await _keys(first, prefix) == []
+    held = await asynclock.acquire(second, "job", ttl=2.0, blocking_timeout=2.0, prefix=prefix)
+    with pytest.raises(AcquireTimeout):
+        await asynclock.acquire(first, "job", ttl=2.0, blocking_timeout=0.3, prefix=prefix)
+    async with held.guard():
+        assert await held.is_held()
+    await held.release()
+    assert await _keys(first, prefix) == []
+
+
+async def test_one_server_stopped_still_acquires_and_holds(
+    servers: list[RedisServer], first: list[Redis], prefix: str
+) -> None:
+    """One of three servers stopped (SIGSTOP): acquired on the other two within a third
+    of the TTL, held past the TTL, given back."""
+    servers[2].pause()
+    started = time.monotonic()
+    async with asynclock.lease(first, "job", ttl=1.5, prefix=prefix) as lock:
+        assert time.monotonic() - started < 1.5
+        assert lock.held_on == 2
+        await asyncio.sleep(2.0)
+        assert lock.state is asynclock.LeaseState.HELD
+    servers[2].resume()
+    assert await _keys(first[:2], prefix) == []
+
+
+async def test_two_servers_stopped_cancel_the_holder_and_nobody_gets_in(
+    servers: list[RedisServer], first: list[Redis], second: list[Redis], prefix: str
+) -> None:
+    """Two of three servers stop while the lock is held: the holder's block is
+    cancelled (LockLost(deadline)) before its validity ends, and a rival trying
+    meanwhile never gets a majority; once the servers are back (and the keys expired),
+    the rival gets in."""
+    ttl = 1.2
+    rival_in: float | None = None
+    holder_out = 0.0
+
+    async def rival() -> None:
+        nonlocal rival_in
+        async with asynclock.lease(second, "job", ttl=ttl, prefix=prefix, blocking_timeout=20):
+            rival_in = time.monotonic()
+
+    with pytest.raises(LockLost) as lost:
+        async with asynclock.lease(first, "job", ttl=ttl, prefix=prefix) as lock:
+            valid_until = lock.safe_until
+            servers[1].pause()
+            servers[2].pause()
+            rival_task = asyncio.create_task(rival())
+            try:
+                await anyio.sleep_forever()
+            finally:
+                holder_out = time.monotonic()
+                cancelled_at = asyncio.get_running_loop().time()
+    assert lost.value.reason is LossReason.DEADLINE
+    assert cancelled_at <= valid_until + 0.5
+    await asyncio.sleep(0.5)
+    assert rival_in is None  # (no majority: two servers are stopped)
+    servers[1].resume()
+    servers[2].resume()
+    async with asyncio.timeout(20):
+        await rival_task
+    assert rival_in is not None
+    assert rival_in >= holder_out
+
+
+async def test_cancelled_while_acquiring_leaves_nothing(
+    servers: list[RedisServer], first: list[Redis], prefix: str
+) -> None:
+    """Cancelled while one server does not answer: nothing is left on the others."""
+    servers[2].pause()
+    task = asyncio.create_task(asynclock.acquire(first, "job", ttl=3.0, prefix=prefix))
+    async with asyncio.timeout(5):  # the two answering servers granted; the third hangs
+        while len(await _keys(first[:2], prefix)) < 2:  # noqa: ASYNC110 (the servers' state)
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with asyncio.timeout(5):
+        while await _keys(first[:2], prefix):  # noqa: ASYNC110 (given back in the background)
+            await asyncio.sleep(0.02)
+    servers[2].resume()
