@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 import pytest
+from deployments import cluster_nodes, slot_bounds, wait_until
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
@@ -21,38 +22,16 @@ from asynclock.testing import RedisServer, available_engines, keys_left
 
 pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
 
-SLOTS = 16384
-
 
 def _wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout:g} s")
-        time.sleep(0.05)
+    wait_until(check, what, timeout)
 
 
 @pytest.fixture
 def nodes() -> Iterator[list[RedisServer]]:
     """Three primaries owning a third of the slots each, the cluster's state ok."""
-    servers: list[RedisServer] = []
-    try:
-        for _ in range(3):
-            servers.append(RedisServer(cluster=True).start())
-        bounds = [0, SLOTS // 3, 2 * SLOTS // 3, SLOTS]
-        for server, low, high in zip(servers, bounds, bounds[1:], strict=False):
-            server.command("CLUSTER", "ADDSLOTSRANGE", low, high - 1)
-        for server in servers[1:]:
-            servers[0].command("CLUSTER", "MEET", "127.0.0.1", server.port)
-        for server in servers:
-            _wait_until(
-                lambda s=server: b"cluster_state:ok" in s.command("CLUSTER", "INFO"),
-                f"node {server.port} did not see the cluster ok",
-            )
+    with cluster_nodes(3) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture
@@ -68,7 +47,7 @@ async def cluster(nodes: list[RedisServer]) -> AsyncIterator[RedisCluster]:
 def _owner(nodes: list[RedisServer], key: str) -> RedisServer:
     """The node that owns ``key``'s slot as the fixture assigned them."""
     slot = int(nodes[0].command("CLUSTER", "KEYSLOT", key).strip()[1:])
-    bounds = [0, SLOTS // 3, 2 * SLOTS // 3, SLOTS]
+    bounds = slot_bounds(3)
     for server, low, high in zip(nodes, bounds, bounds[1:], strict=False):
         if low <= slot < high:
             return server

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from deployments import SERVICE, SentinelProcess, sentinel_ready, synced_replica
 from redis.asyncio import Redis
 from redis.asyncio.sentinel import Sentinel
 
@@ -21,48 +21,7 @@ import asynclock
 from asynclock import LeaseEventKind, LockLost, LossReason
 from asynclock.testing import RedisServer, available_engines, keys_left
 
-SERVICE = "asynclock-test"
 pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
-
-
-class SentinelProcess:
-    """One ``redis-server --sentinel`` watching ``primary``: it marks a primary down after
-    0.5 s without an answer, and fails over on its own (a quorum of 1)."""
-
-    def __init__(self, primary: RedisServer, directory: Path) -> None:
-        binary = primary.binary  # (redis-server or valkey-server: both run sentinels)
-        self.port = _free_port()
-        config = directory / "sentinel.conf"
-        config.write_text(
-            f"port {self.port}\n"
-            "bind 127.0.0.1\n"
-            "protected-mode no\n"
-            f"dir {directory}\n"
-            f"logfile {directory / 'sentinel.log'}\n"
-            f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 1\n"
-            f"sentinel down-after-milliseconds {SERVICE} 500\n"
-            f"sentinel failover-timeout {SERVICE} 5000\n"
-        )
-        self.log = directory / "sentinel.log"
-        self.proc = subprocess.Popen(
-            [binary, str(config), "--sentinel"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -81,16 +40,11 @@ class Deployment:
 
 
 @pytest.fixture
-def _servers(private_server: RedisServer, tmp_path: Path) -> Iterator[tuple[RedisServer, ...]]:
-    replica = private_server.replica()
+def _servers(private_server: RedisServer) -> Iterator[tuple[RedisServer, RedisServer]]:
+    # In sync before the sentinel first looks at the replica (it refreshes what it
+    # knows of a replica every 10 s, and promotes only one whose link was up).
+    replica = synced_replica(private_server)
     try:
-        # In sync before the sentinel first looks at the replica (it refreshes what it
-        # knows of a replica every 10 s, and promotes only one whose link was up).
-        deadline = time.monotonic() + 15
-        while b"master_link_status:up" not in replica.command("INFO", "replication"):
-            if time.monotonic() > deadline:
-                pytest.fail("the replica did not sync within 15 s")
-            time.sleep(0.02)
         yield private_server, replica
     finally:
         replica.stop()
@@ -104,18 +58,7 @@ async def deployment(
     sentinel = SentinelProcess(primary, tmp_path)
     manager = Sentinel([("127.0.0.1", sentinel.port)], socket_timeout=1.0)
     try:
-        # The sentinel answers, has found the replica, and has read its INFO (it
-        # promotes only a replica whose INFO is fresh and whose link is up).
-        async with asyncio.timeout(15):
-            while True:
-                with contextlib.suppress(Exception):
-                    replicas = await manager.sentinels[0].sentinel_slaves(SERVICE)
-                    if any(
-                        r.get("master-link-status") == "ok" and int(r["info-refresh"]) < 5000
-                        for r in replicas
-                    ):
-                        break
-                await asyncio.sleep(0.05)
+        await sentinel_ready(manager)
         yield Deployment(primary, replica, sentinel, manager)
     finally:
         sentinel.stop()
