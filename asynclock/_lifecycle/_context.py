@@ -25,7 +25,7 @@ from ._lease import Lease, LeaseState
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
 from ._release import Wake, after_release
 from ._release import release as release_lease
-from ._take import take
+from ._take import take_reporting
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 
@@ -47,13 +47,13 @@ class LeaseContext:
         if redis is None:
             raise RuntimeError("a lease() context manager can be entered only once")
         self._redis = None
-        held = await take(redis, self._options, self._hook)
+        held, waited = await take_reporting(redis, self._options, self._hook)
         self._lease = held
         scope = held._companion.cancel_scope()
         scope.__enter__()
         held._start(scope)
         self._entry = held._companion.holding(held._options.base_key)  # (any kind's)
-        held._event(LeaseEventKind.ACQUIRED)
+        held._event(LeaseEventKind.ACQUIRED, waited=waited)
         return held
 
     async def __aexit__(
@@ -379,9 +379,9 @@ async def acquire(
         shared,
         min_replicas,
     )
-    held = await take(cast(Client, redis), options, on_event)
+    held, waited = await take_reporting(cast(Client, redis), options, on_event)
     held._start(None)
-    held._event(LeaseEventKind.ACQUIRED)
+    held._event(LeaseEventKind.ACQUIRED, waited=waited)
     return held
 
 

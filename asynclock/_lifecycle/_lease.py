@@ -27,7 +27,7 @@ from typing import Final, final
 import anyio
 import anyio.lowlevel
 
-from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit
+from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit, hooks
 from .._base._exceptions import LockLost, LossReason
 from .._base._options import LeaseOptions
 from .._base._shield import cancel_dropped, cancelling
@@ -86,6 +86,7 @@ class Lease:
     """
 
     __slots__ = (
+        "_acquired_at",
         "_backoff",
         "_closing",
         "_companion",
@@ -126,6 +127,7 @@ class Lease:
         # (``suffix``: a job's fingerprint, ":<digest>", kept in the value while it runs)
         self._value: str | bytes = f"{token}:{fencing_token}{suffix}"
         self._last_send = t_send
+        self._acquired_at = t_send  # (for the hold time events report)
         self._safe_until = options.safe_until(t_send)
         # With hold_at_least, the loop time before which a release keeps the key.
         hold = options.hold_at_least
@@ -374,15 +376,31 @@ class Lease:
         if not any(note.startswith(said) for note in getattr(error, "__notes__", ())):
             error.add_note(f"{said} while {what} ran")  # (once: a guard and a release)
 
-    def _event(self, kind: LeaseEventKind, detail: str = "") -> None:
-        if self._hook is not None:
+    def _event(
+        self,
+        kind: LeaseEventKind,
+        detail: str = "",
+        *,
+        waited: float | None = None,
+        latency: float | None = None,
+        slack: float | None = None,
+    ) -> None:
+        if self._hook is not None or hooks():
+            now = self._companion.loop.time()
+            held = None
+            if kind is LeaseEventKind.RELEASED or kind is LeaseEventKind.LOST:
+                held = now - self._acquired_at
             event = LeaseEvent(
                 kind,
                 self.name,
                 self.fencing_token,
-                self._companion.loop.time(),
+                now,
                 self._safe_until,
                 detail,
+                waited,
+                held,
+                latency,
+                slack,
             )
             emit(self._hook, event)
 
@@ -472,13 +490,16 @@ class Lease:
             return False
         if safe_until is None:
             safe_until = self._options.safe_until(t_send)
-        if safe_until > self._safe_until:
+        before = self._safe_until
+        if safe_until > before:
             self._safe_until = safe_until  # (the watchdog reads it when it looks next)
             self._last_send = t_send
         self._state = LeaseState.HELD
         self._lost_cause = None
         self._backoff = None
-        self._event(LeaseEventKind.RENEWED)
+        if self._hook is not None or hooks():
+            now = self._companion.loop.time()
+            self._event(LeaseEventKind.RENEWED, latency=now - t_send, slack=before - now)
         return True
 
     # The kind of lock's renewal. (The watchdog renews any lease through these three;

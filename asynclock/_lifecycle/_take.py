@@ -17,7 +17,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from .._base._events import EventHook
+from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit, hooks
+from .._base._exceptions import AcquireTimeout, LockBusy
 from .._base._options import Client, LeaseOptions
 from .._kinds._fair import FairAcquisition
 from .._kinds._mutex import Acquisition, Job, JobConflict, JobDone
@@ -30,7 +31,7 @@ from ._lease import Lease
 from ._release import unretain
 from ._replicas import confirm_replicas
 
-__all__ = ["take"]
+__all__ = ["take", "take_reporting"]
 
 _LETTING_GO: set[asyncio.Task[None]] = set()  # see take()
 
@@ -48,6 +49,25 @@ async def take(
     if options.min_replicas:
         await confirm_replicas(held)
     return held
+
+
+async def take_reporting(
+    redis: Client, options: LeaseOptions, hook: EventHook | None
+) -> tuple[Lease, float]:
+    """``take``, and the seconds it took (for the ``acquired`` event); a busy lock or a
+    timeout is reported as an ``acquire_failed`` event (``busy`` or ``timeout``)."""
+    loop = asyncio.get_running_loop()
+    t_call = loop.time()
+    try:
+        held = await take(redis, options, hook)
+    except (LockBusy, AcquireTimeout) as exc:
+        if hook is not None or hooks():
+            now = loop.time()
+            why = "busy" if isinstance(exc, LockBusy) else "timeout"
+            failed = LeaseEventKind.ACQUIRE_FAILED
+            emit(hook, LeaseEvent(failed, options.name, 0, now, 0.0, why, now - t_call))
+        raise
+    return held, loop.time() - t_call
 
 
 _SLOT_TRIES = 5  # attempts on a cluster whose slot map changes under us

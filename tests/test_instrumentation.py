@@ -1,0 +1,165 @@
+"""Process-wide hooks and the OpenTelemetry and Prometheus metrics (issue 22, B), with
+the real OpenTelemetry SDK (an in-memory reader) and the real Prometheus client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock import AcquireTimeout, LeaseEventKind, LockBusy, LockLost, instrumentation
+
+
+@pytest.fixture(autouse=True)
+def no_hooks_left() -> Iterator[None]:
+    yield
+    instrumentation.set_hooks([])
+
+
+async def _scripted_run(client: Redis, other: Redis, prefix: str) -> None:
+    """Two acquisitions (the second waits for the first), a busy attempt, a timeout,
+    renewals, and a loss (the key deleted from outside, found by a renewal)."""
+    async with asynclock.lease(client, "a", ttl=0.3, prefix=prefix):
+        with pytest.raises(LockBusy):
+            async with asynclock.lease(other, "a", blocking=False, prefix=prefix):
+                pass
+        with pytest.raises(AcquireTimeout):
+            async with asynclock.lease(other, "a", blocking_timeout=0.05, prefix=prefix):
+                pass
+        await asyncio.sleep(0.25)  # (renewed at 0.1 s and 0.2 s)
+    lost = asyncio.Event()
+
+    def on_event(event: asynclock.LeaseEvent) -> None:
+        if event.kind is LeaseEventKind.LOST:
+            lost.set()
+
+    with pytest.raises(LockLost):
+        async with asynclock.lease(other, "a", ttl=0.3, prefix=prefix, on_event=on_event) as lock:
+            await client.delete(lock.key)
+            await lost.wait()
+
+
+def test_set_hooks_checks_and_replaces() -> None:
+    assert instrumentation.get_hooks() == ()
+    with pytest.raises(TypeError, match="callable"):
+        instrumentation.set_hooks([print, 3])  # type: ignore[list-item]
+    assert instrumentation.get_hooks() == ()
+    instrumentation.set_hooks([print])
+    assert instrumentation.get_hooks() == (print,)
+    instrumentation.set_hooks([])
+    assert instrumentation.get_hooks() == ()
+
+
+async def test_events_carry_what_metrics_need(client: Redis, prefix: str) -> None:
+    """A hook that raises breaks nothing, and the hooks after it still run; the events
+    carry wait, hold, renewal latency and slack; acquire_failed says busy or timeout."""
+    seen: list[asynclock.LeaseEvent] = []
+
+    def broken(event: asynclock.LeaseEvent) -> None:
+        raise RuntimeError("a broken metrics exporter")
+
+    instrumentation.set_hooks([broken, seen.append])
+    async with asynclock.lease(client, "h", ttl=0.3, prefix=prefix):
+        await asyncio.sleep(0.15)
+        other = await asynclock.acquire(client, "h2", prefix=prefix)
+        with pytest.raises(LockBusy):
+            async with asynclock.lease(client, "h2", prefix=prefix, blocking=False):
+                pass
+        await other.release()
+    by_kind: dict[LeaseEventKind, list[asynclock.LeaseEvent]] = {}
+    for event in seen:
+        by_kind.setdefault(event.kind, []).append(event)
+    acquired = [e for e in by_kind[LeaseEventKind.ACQUIRED] if e.name == "h"]
+    assert acquired[0].waited is not None
+    assert 0 <= acquired[0].waited < 1
+    renewed = by_kind[LeaseEventKind.RENEWED][0]
+    assert renewed.latency is not None
+    assert renewed.slack is not None
+    assert 0 <= renewed.latency < 0.1
+    assert 0.1 < renewed.slack < 0.3
+    released = [e for e in by_kind[LeaseEventKind.RELEASED] if e.name == "h"]
+    assert released[0].held is not None
+    assert released[0].held >= 0.15
+    (failed,) = by_kind[LeaseEventKind.ACQUIRE_FAILED]
+    assert (failed.name, failed.detail) == ("h2", "busy")
+
+
+def _otel_points(reader: Any) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    points: dict[str, list[Any]] = {}
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                points.setdefault(metric.name, []).extend(metric.data.data_points)
+    return points
+
+
+def _sum(points: list[Any], **attributes: str) -> float:
+    return sum(
+        p.value for p in points if all(p.attributes.get(k) == v for k, v in attributes.items())
+    )
+
+
+async def test_opentelemetry_counts_a_scripted_run(
+    client: Redis, make_client: Any, prefix: str
+) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    instrumentation.set_hooks([instrumentation.OpenTelemetryHook(meter_provider=provider)])
+    await _scripted_run(client, make_client(), prefix)
+    points = _otel_points(reader)
+    acquisitions = points["asynclock.lease.acquisitions"]
+    assert _sum(acquisitions, outcome="acquired") == 2
+    assert _sum(acquisitions, outcome="busy") == 1
+    assert _sum(acquisitions, outcome="timeout") == 1
+    assert _sum(points["asynclock.lease.renewals"], outcome="ok") >= 2
+    assert _sum(points["asynclock.lease.losses"], reason="not_owner") == 1
+    (hold,) = points["asynclock.lease.hold_time"]
+    assert hold.count == 2  # (one released, one lost)
+    assert sum(p.count for p in points["asynclock.lease.wait_time"]) == 4
+    assert sum(p.count for p in points["asynclock.lease.renewal_slack"]) >= 2
+    assert all("name" not in p.attributes for p in acquisitions)  # (no names by default)
+
+
+async def test_prometheus_counts_a_scripted_run(
+    client: Redis, make_client: Any, prefix: str
+) -> None:
+    registry = CollectorRegistry()
+    hook = instrumentation.PrometheusHook(registry=registry)
+    instrumentation.set_hooks([hook])
+    await _scripted_run(client, make_client(), prefix)
+    text = generate_latest(registry).decode()
+    assert 'asynclock_lease_acquisitions_total{outcome="acquired"} 2.0' in text
+    assert 'asynclock_lease_acquisitions_total{outcome="busy"} 1.0' in text
+    assert 'asynclock_lease_acquisitions_total{outcome="timeout"} 1.0' in text
+    assert 'asynclock_lease_losses_total{reason="not_owner"} 1.0' in text
+    assert "asynclock_lease_hold_seconds_count 2.0" in text
+    assert "asynclock_lease_wait_seconds_count 4.0" in text
+    assert "asynclock_lease_renewal_slack_seconds_count" in text
+    with pytest.raises(ValueError, match="Duplicated"):  # (one hook per registry)
+        instrumentation.PrometheusHook(registry=registry)
+
+
+async def test_a_name_label_is_opt_in(client: Redis, prefix: str) -> None:
+    registry = CollectorRegistry()
+    instrumentation.set_hooks(
+        [
+            instrumentation.PrometheusHook(
+                registry=registry, name_label=lambda name: name.split(":")[0]
+            )
+        ]
+    )
+    async with asynclock.lease(client, "orders:42", prefix=prefix):
+        pass
+    text = generate_latest(registry).decode()
+    assert 'asynclock_lease_acquisitions_total{name="orders",outcome="acquired"} 1.0' in text
+    with pytest.raises(TypeError, match="name_label"):
+        instrumentation.PrometheusHook(registry=CollectorRegistry(), name_label="x")  # type: ignore[arg-type]
