@@ -19,6 +19,8 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._apps._every import every as every
+from ._apps._inspect import LockInfo as LockInfo
+from ._apps._inspect import inspect as inspect
 from ._apps._once import Serializer as Serializer
 from ._apps._once import forget as forget
 from ._apps._once import idempotent as idempotent
@@ -62,6 +64,7 @@ __all__ = [
     "LimitConflict",
     "LockBusy",
     "LockError",
+    "LockInfo",
     "LockLost",
     "LockStatistics",
     "LossReason",
@@ -72,6 +75,7 @@ __all__ = [
     "every",
     "forget",
     "idempotent",
+    "inspect",
     "lease",
     "once",
     "statistics",

@@ -3,6 +3,9 @@
 - ``asynclock run NAME [--url URL] [--ttl S] [--hold-at-least S] [--wait S] -- CMD ARGS...``
   runs a command under a lease (see ``asynclock._runner``): a ``crontab`` line on every
   machine, of which one runs the command.
+- ``asynclock inspect NAME``, ``asynclock list [PATTERN]``, ``asynclock release --force
+  NAME``: who holds what, and releasing by hand (see ``asynclock._apps._inspect``); human
+  output as an aligned table, ``--json`` for scripts.
 - ``asynclock demo`` runs ``examples/demo`` from a clone of the repository: worker
   processes compete for one lease while the demo kills a holder and deletes the lease key
   from outside.
@@ -13,11 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ._lifecycle._context import lease
 
@@ -108,6 +114,152 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     run.set_defaults(run_parser=run)
 
 
+_OPS_EPILOG = """\
+exit status: 0 done; 1 (release) nothing held to release; 3 (release) not confirmed;
+4 (list) the scan ran out of time, the list is partial; 69 Redis could not be reached;
+2 bad usage.
+"""
+
+
+def _add_operations(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument(
+        "--url",
+        default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"),
+        help="the Redis server (default: $REDIS_URL, else redis://localhost:6379/0)",
+    )
+    shared.add_argument(
+        "--cluster", action="store_true", help="the URL names a node of a Redis Cluster"
+    )
+    shared.add_argument("--prefix", default="asynclock:", help="key prefix (default asynclock:)")
+    shared.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect = commands.add_parser(
+        "inspect",
+        parents=[shared],
+        help="who holds a lock, since when, until when, who waits",
+        epilog=_OPS_EPILOG,
+    )
+    inspect.add_argument("name", metavar="NAME", help="the lock's name")
+    listing = commands.add_parser(
+        "list",
+        parents=[shared],
+        help="the locks held now (by SCAN, on every primary of a cluster)",
+        epilog=_OPS_EPILOG,
+    )
+    listing.add_argument(
+        "pattern", metavar="PATTERN", nargs="?", default="*", help="a glob of names (default *)"
+    )
+    listing.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="stop scanning after S seconds (default 5; the list is then partial, exit 4)",
+    )
+    listing.add_argument("--all", action="store_true", help="also locks nothing holds now")
+    release = commands.add_parser(
+        "release",
+        parents=[shared],
+        help="release a lock by hand: its holder is cancelled at its next renewal",
+        description=(
+            "Delete the lease of NAME, whoever holds it, and wake its waiters. The "
+            "holder finds out at its next renewal (within a third of its TTL): its "
+            "block is cancelled with LockLost(not_owner). The fencing counter is kept, "
+            "so later holders' tokens still rise."
+        ),
+        epilog=_OPS_EPILOG,
+    )
+    release.add_argument("name", metavar="NAME", help="the lock's name")
+    release.add_argument(
+        "--force", action="store_true", required=True, help="required: this takes a lock away"
+    )
+    release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def _client(args: argparse.Namespace) -> Redis | RedisCluster:
+    if args.cluster:
+        return RedisCluster.from_url(args.url, socket_timeout=5.0)
+    return Redis.from_url(args.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+async def _operate(args: argparse.Namespace) -> int:
+    from ._apps._inspect import force_release, inspect, list_locks
+
+    client = _client(args)
+    try:
+        if args.subcommand == "inspect":
+            info = await inspect(client, args.name, prefix=args.prefix)
+            if args.json:
+                print(json.dumps(info.as_dict()))
+            else:
+                print(_table([[key, _show(value)] for key, value in info.as_dict().items()]))
+            return 0
+        if args.subcommand == "list":
+            infos, complete = await list_locks(
+                client,
+                args.pattern,
+                prefix=args.prefix,
+                time_limit=args.time_limit,
+                held_only=not args.all,
+            )
+            if args.json:
+                print(json.dumps({"locks": [i.as_dict() for i in infos], "complete": complete}))
+            else:
+                rows = [["NAME", "KIND", "HOLDER", "FENCE", "TIME LEFT", "WAITERS"]]
+                for i in infos:
+                    fence, left = _show(i.fencing_token), _show(i.time_left)
+                    rows.append([i.name, i.kind, _show(i.holder), fence, left, str(i.waiters)])
+                print(_table(rows))
+                if not complete:
+                    print("(partial: the scan ran out of time; see --time-limit)")
+            return 0 if complete else 4
+        info = await inspect(client, args.name, prefix=args.prefix)
+        if not info.held:
+            print(f"asynclock release: {args.name!r} is not held", file=sys.stderr)
+            return 1
+        if not args.yes:
+            question = (
+                f"release {args.name!r} ({info.kind}, holder {_show(info.holder)}, fencing "
+                f"token {_show(info.fencing_token)})? The holder is cancelled. [y/N] "
+            )
+            try:
+                answer = await asyncio.to_thread(input, question)
+            except EOFError:  # (no terminal to answer: not confirmed)
+                answer = ""
+            if answer.strip().lower() not in ("y", "yes"):
+                print("not released", file=sys.stderr)
+                return 3
+        deleted = await force_release(client, args.name, prefix=args.prefix)
+        if args.json:
+            print(json.dumps({"released": args.name, "keys_deleted": deleted}))
+        else:
+            print(f"released {args.name!r} ({deleted} key(s) deleted); waiters woken")
+        return 0
+    except (RedisConnectionError, OSError) as exc:
+        print(
+            f"asynclock {args.subcommand}: cannot reach Redis at {args.url}: {exc}", file=sys.stderr
+        )
+        return 69
+    finally:
+        await client.aclose()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asynclock",
@@ -115,6 +267,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_run(commands)
+    _add_operations(commands)
     commands.add_parser(
         "demo",
         help="worker processes compete for one lease; a holder is killed, a key deleted "
@@ -184,6 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.subcommand == "run":
         return _run(args, command)
+    if args.subcommand in ("inspect", "list", "release"):
+        try:  # (checked before any I/O: a bad name or prefix is a usage error)
+            lease(Redis(), getattr(args, "name", "x"), prefix=args.prefix)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"{args.subcommand}: {exc}")
+        return asyncio.run(_operate(args))
     return 2  # (unreachable: argparse knows only these commands)
 
 

@@ -33,7 +33,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ClusterDownError
 
-__all__ = ["node_client", "reload_slots"]
+__all__ = ["node_client", "primary_clients", "reload_slots"]
 
 _NODES: Final = "_asynclock_nodes"  # on a cluster client: node name -> its node client
 
@@ -55,6 +55,16 @@ async def node_client(cluster: RedisCluster, key: str) -> Redis:
     node = cluster.get_node_from_key(key)
     if node is None:  # (the map has no owner for the slot: the cluster is not ready)
         raise ClusterDownError(f"no node of the cluster owns the slot of {key!r}")
+    return _client_of(cluster, node)
+
+
+async def primary_clients(cluster: RedisCluster) -> list[Redis]:
+    """A ``Redis`` client of each primary of the cluster (by its slot map)."""
+    await cluster.initialize()
+    return [_client_of(cluster, node) for node in cluster.get_primaries()]
+
+
+def _client_of(cluster: RedisCluster, node: Any) -> Redis:
     clients: dict[str, Redis] | None = getattr(cluster, _NODES, None)
     if clients is None:
         clients = {}

@@ -1,0 +1,219 @@
+"""Operating locks: who holds what (``inspect``, ``list_locks``) and releasing by hand
+(``force_release``), for the ``asynclock inspect | list | release`` commands.
+
+Design note. Everything here reads or deletes keys from outside the lease lifecycle. A
+forced release deletes the lock's holder keys (its key, a semaphore's permits, the shared
+holders' keys and set) and announces a release on the lock's channel, so waiters try at
+once; it never deletes the fencing counter, so tokens keep rising. A holder finds out at
+its next renewal (within a third of its TTL): ``LockLost(not_owner)``, its block
+cancelled, as after any loss of its key.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+
+from .._base._options import Client, LeaseOptions
+from .._redis._cluster import node_client, primary_clients
+from ._statistics import statistics
+
+__all__ = ["LockInfo", "force_release", "inspect", "list_locks"]
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """What holds a lock now (see :func:`inspect`). Times in seconds."""
+
+    name: str
+    held: bool
+    kind: str
+    """``mutex``, ``shared`` (held by shared leases), ``semaphore`` (permits held), or
+    ``free``."""
+    fencing_token: int | None
+    """The exclusive holder's fencing token (the highest held, for a semaphore)."""
+    acquired_at: float | None
+    """When the holder's fencing token was minted, as UNIX time (seconds): the token is
+    the server's clock in microseconds, or a little above it (None if it does not look
+    like one)."""
+    holder: str | None
+    """The first 8 characters of the exclusive holder's token (its lease's ``token``)."""
+    time_left: float | None
+    """Seconds before the holder's key expires unless renewed (the first to expire, for
+    a semaphore); None when not held or the key has no expiry."""
+    waiters: int
+    """Clients registered waiting for it (any process), plus waiters in its fair queue."""
+    shared_holders: int
+    permits_in_use: int
+    limit: int | None
+    """A semaphore's limit, while its permits are held lately; else None."""
+    fence_retention: float | None
+    """Seconds the fencing counter is kept unless the lock is taken again (None: no
+    counter, or no expiry)."""
+    last_fencing_token: int | None
+    """The last fencing token minted for the lock (by any holder), if the counter lives."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, for JSON."""
+        return {field: getattr(self, field) for field in self.__slots__}
+
+
+def _wall(token: int | None) -> float | None:
+    """A fencing token read as the server's clock (µs) at its minting, if it looks like
+    one (between 2001 and 2286)."""
+    if token is None or not 1e15 <= token < 1e16:
+        return None
+    return token / 1e6
+
+
+def _seconds(pttl: int) -> float | None:
+    return pttl / 1000 if pttl >= 0 else None
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> LockInfo:
+    """What holds the lock ``name`` and who waits for it: two round trips, nothing
+    written. Works for every kind of lock.
+
+    Raises ``TypeError``/``ValueError`` for bad arguments before any I/O, and what the
+    client raises when Redis cannot be reached.
+    """
+    stats = await statistics(redis, name, prefix=prefix)
+    options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
+    node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
+    limit = stats.limit or 0
+    async with node.pipeline(transaction=False) as pipe:
+        pipe.get(options.key)
+        pipe.pttl(options.fence_key)
+        pipe.get(options.fence_key)
+        for key in _permits(options, limit):
+            pipe.get(key)
+            pipe.pttl(key)
+        replies = await pipe.execute()
+    value, fence_pttl, last = replies[0], int(replies[1]), replies[2]
+    permits = [(replies[i], int(replies[i + 1])) for i in range(3, len(replies), 2)]
+    held_permits = [(v, p) for v, p in permits if v is not None]
+    fencing_token = holder = None
+    time_left = stats.time_left
+    text = _text(value) if value is not None else None
+    if text is not None and text != "shared":
+        token, _, rest = text.partition(":")
+        holder = token[:8]
+        fence = rest.partition(":")[0]
+        fencing_token = int(fence) if fence.isdigit() else None
+    if held_permits:
+        tokens = [_text(v).split(":")[1] for v, _ in held_permits]
+        fencing_token = max(int(t) for t in tokens if t.isdigit())
+        live = [p for _, p in held_permits if p >= 0]
+        time_left = min(live) / 1000 if live else None
+    if stats.exclusive:
+        kind = "mutex"
+    elif stats.shared_holders:
+        kind = "shared"
+    elif stats.permits_in_use:
+        kind = "semaphore"
+    else:
+        kind = "free"
+    return LockInfo(
+        name=name,
+        held=kind != "free",
+        kind=kind,
+        fencing_token=fencing_token,
+        acquired_at=_wall(fencing_token),
+        holder=holder,
+        time_left=time_left if kind != "free" else None,
+        waiters=stats.waiting_clients + stats.queued,
+        shared_holders=stats.shared_holders,
+        permits_in_use=stats.permits_in_use,
+        limit=stats.limit,
+        fence_retention=_seconds(fence_pttl),
+        last_fencing_token=int(_text(last)) if last is not None else None,
+    )
+
+
+def _permits(options: LeaseOptions, limit: int) -> list[str]:
+    base = options.base_key
+    return [f"{base}:permit:{slot}" for slot in range(limit)]
+
+
+async def list_locks(
+    redis: Client,
+    pattern: str = "*",
+    *,
+    prefix: str = "asynclock:",
+    time_limit: float = 5.0,
+    held_only: bool = True,
+) -> tuple[list[LockInfo], bool]:
+    """The locks whose names match the glob ``pattern``, found by ``SCAN`` (never
+    ``KEYS``) on the server, or on every primary of a cluster, within ``time_limit``
+    seconds. Returns (their :class:`LockInfo`, sorted by name; whether the scan was
+    complete). ``held_only``: leave out locks nothing holds (their fencing counter or
+    waiting keys alone remain).
+    """
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be positive, got {time_limit!r}")
+    deadline = time.monotonic() + time_limit
+    nodes = await primary_clients(redis) if isinstance(redis, RedisCluster) else [redis]
+    names: set[str] = set()
+    complete = True
+    match = f"{_glob_escape(prefix)}{{{pattern}}}*"
+    for node in nodes:
+        cursor: int | None = None
+        while cursor != 0:
+            if time.monotonic() >= deadline:
+                complete = False
+                break
+            cursor, keys = await node.scan(cursor or 0, match=match, count=500)
+            for key in keys:
+                found = _name_of(_text(key), prefix)
+                if found is not None:
+                    names.add(found)
+    infos = []
+    for found in sorted(names):
+        if time.monotonic() >= deadline:
+            complete = False
+            break
+        info = await inspect(redis, found, prefix=prefix)
+        if info.held or not held_only:
+            infos.append(info)
+    return infos, complete
+
+
+def _name_of(key: str, prefix: str) -> str | None:
+    """The lock name of one of its keys (``<prefix>{name}`` plus a suffix), or None."""
+    if not key.startswith(prefix + "{"):
+        return None
+    rest = key[len(prefix) + 1 :]
+    end = rest.find("}")
+    if end <= 0:
+        return None
+    return rest[:end]
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+async def force_release(redis: Client, name: str, *, prefix: str = "asynclock:") -> int:
+    """Release the lock ``name`` by hand, whoever holds it: delete its holders' keys
+    (never its fencing counter) and wake its waiters. The holders lose their leases at
+    their next renewal (``LockLost(not_owner)``). Returns how many keys were deleted.
+    """
+    info = await statistics(redis, name, prefix=prefix)
+    options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
+    node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
+    keys = [options.key, options.readers_key]
+    keys += _permits(options, info.limit or 0)
+    readers = await node.zrange(options.readers_key, 0, -1)
+    keys += [f"{options.key}:reader:{_text(r)}" for r in readers]
+    async with node.pipeline(transaction=True) as pipe:
+        pipe.delete(*keys)
+        pipe.publish(options.channel, "asynclock-cli")
+        deleted, _ = await pipe.execute()
+    return int(deleted)

@@ -1,0 +1,186 @@
+"""Operating locks (issue 22, A): ``inspect()``, and the ``asynclock inspect | list |
+release`` commands run as subprocesses against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from deployments import cluster_nodes
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+import asynclock
+from asynclock import LockLost, LossReason
+from asynclock.testing import ServerInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _cli(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
+    """``python -m asynclock ARGS`` (stdin: what is typed, else none)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("REDIS_URL", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "asynclock",
+        *args,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_inspect_tells_every_kind(client: Redis, prefix: str) -> None:
+    before = time.time()
+    plain = await asynclock.acquire(client, "orders:1", ttl=30, prefix=prefix)
+    permits = [await asynclock.acquire(client, "sem", limit=3, ttl=30, prefix=prefix)]
+    permits.append(await asynclock.acquire(client, "sem", limit=3, ttl=30, prefix=prefix))
+    reader = await asynclock.acquire(client, "rw", shared=True, ttl=30, prefix=prefix)
+    try:
+        info = await asynclock.inspect(client, "orders:1", prefix=prefix)
+        assert info.held
+        assert info.kind == "mutex"
+        assert info.fencing_token == plain.fencing_token
+        assert info.holder == plain.token[:8]
+        assert info.time_left is not None
+        assert 25 < info.time_left <= 30
+        assert info.acquired_at is not None
+        assert before - 5 < info.acquired_at < time.time() + 5
+        assert info.last_fencing_token == plain.fencing_token
+        assert info.fence_retention is not None
+        assert info.fence_retention > 30
+        sem = await asynclock.inspect(client, "sem", prefix=prefix)
+        assert (sem.kind, sem.permits_in_use, sem.limit) == ("semaphore", 2, 3)
+        assert sem.fencing_token == max(p.fencing_token for p in permits)
+        rw = await asynclock.inspect(client, "rw", prefix=prefix)
+        assert (rw.kind, rw.shared_holders, rw.holder) == ("shared", 1, None)
+        free = await asynclock.inspect(client, "nobody", prefix=prefix)
+        assert (free.held, free.kind, free.time_left, free.fencing_token) == (
+            False,
+            "free",
+            None,
+            None,
+        )
+    finally:
+        for lease in (plain, *permits, reader):
+            await lease.release()
+    with pytest.raises(ValueError, match="name"):
+        await asynclock.inspect(client, "", prefix=prefix)
+
+
+async def test_release_by_hand_cancels_the_holder_and_wakes_a_waiter(
+    redis_server: ServerInfo, make_client: Callable[..., Redis], prefix: str
+) -> None:
+    """``asynclock release --force --yes NAME``: the holder's block is cancelled at its
+    next renewal (LockLost(not_owner)), a waiter of another client gets the lock at once
+    (not at the holder's TTL), and the fencing counter is kept (the waiter's token is
+    higher)."""
+    url = redis_server.url
+    holder_client: Redis = make_client(url)
+    waiter_client: Redis = make_client(url)
+    entered = asyncio.Event()
+    tokens: list[int] = []
+
+    async def holder() -> None:
+        async with asynclock.lease(holder_client, "job", ttl=3.0, prefix=prefix) as lock:
+            tokens.append(lock.fencing_token)
+            entered.set()
+            await asyncio.Event().wait()
+
+    async def waiter() -> float:
+        await entered.wait()
+        started = time.monotonic()
+        async with asynclock.lease(waiter_client, "job", ttl=30.0, prefix=prefix) as lock:
+            tokens.append(lock.fencing_token)
+            return time.monotonic() - started
+
+    holding = asyncio.create_task(holder())
+    waiting = asyncio.create_task(waiter())
+    await entered.wait()
+    code, out, err = await _cli(
+        "release", "--force", "--yes", "job", "--url", url, "--prefix", prefix
+    )
+    assert code == 0, err
+    assert "released 'job'" in out
+    waited = await asyncio.wait_for(waiting, 10)
+    assert waited < 2.5, waited  # (the holder's key would have lived 3 s)
+    with pytest.raises(LockLost) as lost:
+        await asyncio.wait_for(holding, 10)
+    assert lost.value.reason is LossReason.NOT_OWNER
+    assert tokens[1] > tokens[0]
+
+
+async def test_the_commands_exit_codes_and_output(
+    redis_server: ServerInfo, client: Redis, prefix: str
+) -> None:
+    url = redis_server.url
+    lease = await asynclock.acquire(client, "orders:7", ttl=30, prefix=prefix)
+    try:
+        common = ("--url", url, "--prefix", prefix)
+        code, out, _ = await _cli("inspect", "orders:7", "--json", *common)
+        assert code == 0
+        assert json.loads(out)["fencing_token"] == lease.fencing_token
+        code, out, _ = await _cli("inspect", "orders:7", *common)
+        assert code == 0
+        assert "holder" in out
+        assert lease.token[:8] in out
+        code, out, _ = await _cli("list", *common)
+        assert code == 0
+        header, row = out.splitlines()[:2]
+        assert header.split() == ["NAME", "KIND", "HOLDER", "FENCE", "TIME", "LEFT", "WAITERS"]
+        assert row.split()[:4] == ["orders:7", "mutex", lease.token[:8], str(lease.fencing_token)]
+        code, out, _ = await _cli("list", "nothing*", "--json", *common)
+        assert (code, json.loads(out)) == (0, {"locks": [], "complete": True})
+        # not confirmed (a typed "n", and no terminal at all): nothing released
+        code, _, err = await _cli("release", "--force", "orders:7", *common, stdin="n\n")
+        assert code == 3
+        assert "not released" in err
+        code, _, _ = await _cli("release", "--force", "orders:7", *common)
+        assert code == 3
+        assert lease.state is asynclock.LeaseState.HELD
+        code, _, err = await _cli("release", "orders:7", *common)  # (--force is required)
+        assert code == 2
+        assert "--force" in err
+        code, _, err = await _cli("release", "--force", "--yes", "nobody", *common)
+        assert code == 1
+        code, _, err = await _cli("inspect", "", *common)
+        assert code == 2
+        code, _, err = await _cli("list", "--url", "redis://127.0.0.1:1/0")
+        assert code == 69
+        assert "cannot reach Redis" in err
+    finally:
+        await lease.release()
+
+
+async def test_list_covers_every_primary_of_a_cluster(prefix: str) -> None:
+    with cluster_nodes(3) as nodes:
+        cluster = RedisCluster(host="127.0.0.1", port=nodes[0].port)
+        names = [f"n{i}" for i in range(12)]
+        leases = [await asynclock.acquire(cluster, n, ttl=30, prefix=prefix) for n in names]
+        try:
+            url = f"redis://127.0.0.1:{nodes[1].port}/0"
+            code, out, err = await _cli(
+                "list", "--cluster", "--json", "--url", url, "--prefix", prefix
+            )
+            assert code == 0, err
+            listed = json.loads(out)
+            assert listed["complete"]
+            assert sorted(i["name"] for i in listed["locks"]) == sorted(names)
+        finally:
+            for lease in leases:
+                await lease.release()
+            await cluster.aclose()
