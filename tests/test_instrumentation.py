@@ -163,3 +163,19 @@ async def test_a_name_label_is_opt_in(client: Redis, prefix: str) -> None:
     assert 'asynclock_lease_acquisitions_total{name="orders",outcome="acquired"} 1.0' in text
     with pytest.raises(TypeError, match="name_label"):
         instrumentation.PrometheusHook(registry=CollectorRegistry(), name_label="x")  # type: ignore[arg-type]
+
+
+async def test_opentelemetry_counters_only(client: Redis, prefix: str) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    hook = instrumentation.OpenTelemetryHook(
+        meter_provider=MeterProvider(metric_readers=[reader]), histograms=False
+    )
+    instrumentation.set_hooks([hook])
+    async with asynclock.lease(client, "c", prefix=prefix):
+        pass
+    points = _otel_points(reader)
+    assert _sum(points["asynclock.lease.acquisitions"], outcome="acquired") == 1
+    assert "asynclock.lease.hold_time" not in points

@@ -25,13 +25,14 @@ may choose from). ``WAIT`` is not ``WAITAOF``: the acknowledgement is of memory,
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
 
 from .._base._exceptions import ReplicationTimeout
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
+from .._session._connections import Companion
 from ._release import Wake, after_release, release
 
 if TYPE_CHECKING:
@@ -70,18 +71,28 @@ async def _renew_and_wait(held: Lease, wanted: int, wait_ms: int) -> int:
     """Renew ``held`` and ``WAIT`` behind it on one connection: the replicas that
     acknowledged, or -1 if the renewal found the key not ours or failed."""
     companion = held._companion
-    client = companion.renewer()
     packed = b"".join(
         (held._renew_head, held._renew_tail(), companion.pack("WAIT", wanted, wait_ms))
     )
-    renewed, acked = await exchange(client, packed, 2)
+    # (on the lane: its connections stay open while leases come and go, where a pool
+    # of our own would be closed with the last lease and reopened by the next)
+    renewed, acked = await _send(companion, packed)
     if isinstance(renewed, NoScriptError):  # (a fresh or restarted server)
         with connection_errors():
-            await client.script_load(held._renew_script.source)
-        renewed, acked = await exchange(client, packed, 2)
+            await companion.client.script_load(held._renew_script.source)
+        renewed, acked = await _send(companion, packed)
     if renewed != 1 or not isinstance(acked, int):
         return -1
     return acked
+
+
+async def _send(companion: Companion, packed: bytes) -> list[object]:
+    """The renewal and WAIT, on the lane, or asynclock's own pool when the caller's is
+    exhausted (nothing was sent then)."""
+    try:
+        return cast(list[object], await companion.lane.call(packed, None, 2))
+    except MaxConnectionsError:
+        return await exchange(companion.overflow(), packed, 2)
 
 
 async def _give_back(held: Lease) -> None:

@@ -95,9 +95,10 @@ class Lane:
         self._bounds: set[_Bound] = set()  # the bounded exchanges in flight
         self._timer: asyncio.TimerHandle | None = None  # the bounds' shared timer
 
-    async def call(self, packed: bytes, deadline: float | None = None) -> object:
+    async def call(self, packed: bytes, deadline: float | None = None, count: int = 1) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
-        raised, as by :func:`exchange`.
+        raised, as by :func:`exchange`. With ``count`` above 1, ``packed`` holds that many
+        commands, and the list of their replies is returned.
 
         The exchange is bounded by the connection's socket timeout and ends by
         ``deadline`` (loop time) if given; past either, ``TimeoutError`` is raised. Raises
@@ -123,16 +124,16 @@ class Lane:
                 raise MaxConnectionsError(f"asynclock: no lane connection: {exc!r}") from exc
         else:  # every lane connection is busy (or none allowed): the ordinary way
             async with asyncio.timeout_at(deadline):
-                (reply,) = await exchange(self.client, packed, 1)
-            return reply
+                replies = await exchange(self.client, packed, count)
+            return replies[0] if count == 1 else replies
         ends = deadline
         if saved is not None and (ends is None or now + saved < ends):
             ends = now + saved
         try:
             if ends is None:  # (nothing bounds it: a client made with socket_timeout=None)
-                reply = await _round_trip(connection, packed)
+                reply = await _round_trip(connection, packed, count)
             else:
-                reply = await self._bounded(connection, packed, ends)
+                reply = await self._bounded(connection, packed, ends, count)
         except BaseException:
             await self._return_connection(connection, saved)
             raise
@@ -142,20 +143,20 @@ class Lane:
             self._idle.append((connection, saved))
         return reply
 
-    async def _bounded(self, connection: Any, packed: bytes, ends: float) -> object:
+    async def _bounded(self, connection: Any, packed: bytes, ends: float, count: int = 1) -> object:
         """:func:`_round_trip`, ended by loop time ``ends`` with ``TimeoutError`` as
         ``asyncio.timeout_at(ends)`` would end it, on the shared timer (see the note)."""
         task = asyncio.current_task()
         if task is None:  # (not in a task: asyncio.timeout_at says what it says then)
             async with asyncio.timeout_at(ends):
-                return await _round_trip(connection, packed)
+                return await _round_trip(connection, packed, count)
         bound = _Bound(task, ends)
         try:
             self._bounds.add(bound)
             timer = self._timer
             if timer is None or ends < timer.when():
                 self._arm(ends)
-            reply = await _round_trip(connection, packed)
+            reply = await _round_trip(connection, packed, count)
         except BaseException as exc:
             # Our cancellation is taken back (as asyncio.timeout does); it becomes a
             # TimeoutError unless another cancellation of the task is pending too.
@@ -284,16 +285,27 @@ class _Bound:
         self.cancelling = task.cancelling()
 
 
-async def _round_trip(connection: Any, packed: bytes) -> object:
+async def _round_trip(connection: Any, packed: bytes, count: int = 1) -> object:
     try:
         await connection.send_packed_command(packed, check_health=False)
-        try:
-            return await connection.read_response()
-        except ResponseError as error:
-            return error
-        except AuthenticationError as error:  # (NOAUTH: the command did not run)
-            mark_not_sent(error)
-            raise
+        if count == 1:
+            try:
+                return await connection.read_response()
+            except ResponseError as error:
+                return error
+            except AuthenticationError as error:  # (NOAUTH: the command did not run)
+                mark_not_sent(error)
+                raise
+        replies: list[object] = []
+        for _ in range(count):
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as error:
+                replies.append(error)
+            except AuthenticationError as error:
+                mark_not_sent(error)
+                raise
+        return replies
     except AttributeError as error:  # (a dropped connection, on some Pythons: _compat)
         raise as_connection_error(error)  # noqa: B904 (chained by as_connection_error)
 
