@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 import asynclock
-from asynclock import LockBusy, LockLost, LossReason
+from asynclock import LockBusy, LockLost, LossReason, ReplicationTimeout
 from asynclock.testing import RedisServer, available_engines, keys_left
 
 pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
@@ -235,16 +235,23 @@ async def test_a_failover_of_the_locks_primary(
                         return
                 await asyncio.sleep(0.05)
 
+        held: asynclock.Lease | None = None
+        async with asyncio.timeout(10):  # (a replica slow to acknowledge: try again)
+            while held is None:
+                with contextlib.suppress(ReplicationTimeout):
+                    held = await asynclock.acquire(
+                        cluster, "failover", ttl=1.5, min_replicas=1, prefix=prefix
+                    )
         with pytest.raises(LockLost):
-            async with asynclock.lease(
-                cluster, "failover", ttl=1.5, min_replicas=1, prefix=prefix, release_timeout=0.3
-            ):
+            async with held.guard():
                 primary.kill()
                 rival_task = asyncio.create_task(rival())
                 try:
                     await anyio.sleep_forever()
                 finally:
                     holder_out = time.monotonic()
+        with contextlib.suppress(LockLost):
+            await held.release()
         async with asyncio.timeout(30):
             await rival_task
         assert rival_in is not None

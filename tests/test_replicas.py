@@ -64,12 +64,12 @@ async def test_the_replica_has_the_lease_when_the_block_starts(pair: Pair, prefi
     block starts (no waiting for replication here); renewals are confirmed too."""
     events: list[asynclock.LeaseEvent] = []
     async with asynclock.lease(
-        pair.on_primary, "job", ttl=0.6, min_replicas=1, prefix=prefix, on_event=events.append
+        pair.on_primary, "job", ttl=1.5, min_replicas=1, prefix=prefix, on_event=events.append
     ) as lock:
         value = await pair.on_replica.get(lock.key)
         assert value is not None
         assert value.decode().startswith(lock.token)
-        await asyncio.sleep(0.5)  # (two renewals, each confirmed)
+        await asyncio.sleep(1.2)  # (two renewals, each confirmed)
         assert lock.state is asynclock.LeaseState.HELD
     kinds = [e.kind for e in events]
     assert kinds.count(LeaseEventKind.RENEWED) >= 2
@@ -133,7 +133,7 @@ async def test_unconfirmed_renewals_lose_the_lease_at_its_deadline(pair: Pair, p
     is not confirmed, so the lease turns SUSPECT and is lost at its safe deadline (the
     block cancelled); a plain lease of the same client, renewed meanwhile, is not held
     up by the replicas' wait."""
-    ttl = 0.6
+    ttl = 1.2
     events: list[asynclock.LeaseEvent] = []
     plain_events: list[asynclock.LeaseEvent] = []
     async with asynclock.lease(
@@ -198,7 +198,7 @@ async def _failover(pair: Pair, min_replicas: int, prefix: str) -> tuple[float, 
     Without ``min_replicas`` the replica is cut off first (SIGSTOP, the primary drops
     its link), so the acquisition never reaches it: the window a confirmation closes.
     """
-    ttl = 0.9
+    ttl = 2.0
     if not min_replicas:
         pair.replica.pause()
         await pair.on_primary.client_kill_filter(_type="replica")
