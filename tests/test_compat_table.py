@@ -118,9 +118,9 @@ async def _scenario(deployment: Deployment, protocol: int, decode: bool, prefix:
         entered = asyncio.Event()
 
         async def holder() -> None:
-            async with asynclock.lease(first, "job", ttl=0.45, prefix=prefix) as lock:
+            async with asynclock.lease(first, "job", ttl=0.9, prefix=prefix) as lock:
                 entered.set()
-                await asyncio.sleep(0.5)  # (renewed at 0.15 s, 0.3 s, 0.45 s)
+                await asyncio.sleep(0.7)  # (renewed at 0.3 s and 0.6 s)
                 assert lock.state is asynclock.LeaseState.HELD
 
         async def waiter() -> float:

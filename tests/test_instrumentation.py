@@ -24,14 +24,14 @@ def no_hooks_left() -> Iterator[None]:
 async def _scripted_run(client: Redis, other: Redis, prefix: str) -> None:
     """Two acquisitions (the second waits for the first), a busy attempt, a timeout,
     renewals, and a loss (the key deleted from outside, found by a renewal)."""
-    async with asynclock.lease(client, "a", ttl=0.3, prefix=prefix):
+    async with asynclock.lease(client, "a", ttl=1.2, prefix=prefix):
         with pytest.raises(LockBusy):
             async with asynclock.lease(other, "a", blocking=False, prefix=prefix):
                 pass
         with pytest.raises(AcquireTimeout):
             async with asynclock.lease(other, "a", blocking_timeout=0.05, prefix=prefix):
                 pass
-        await asyncio.sleep(0.25)  # (renewed at 0.1 s and 0.2 s)
+        await asyncio.sleep(0.9)  # (renewed at 0.4 s and 0.8 s)
     lost = asyncio.Event()
 
     def on_event(event: asynclock.LeaseEvent) -> None:
@@ -39,7 +39,7 @@ async def _scripted_run(client: Redis, other: Redis, prefix: str) -> None:
             lost.set()
 
     with pytest.raises(LockLost):
-        async with asynclock.lease(other, "a", ttl=0.3, prefix=prefix, on_event=on_event) as lock:
+        async with asynclock.lease(other, "a", ttl=0.9, prefix=prefix, on_event=on_event) as lock:
             await client.delete(lock.key)
             await lost.wait()
 
@@ -64,8 +64,8 @@ async def test_events_carry_what_metrics_need(client: Redis, prefix: str) -> Non
         raise RuntimeError("a broken metrics exporter")
 
     instrumentation.set_hooks([broken, seen.append])
-    async with asynclock.lease(client, "h", ttl=0.3, prefix=prefix):
-        await asyncio.sleep(0.15)
+    async with asynclock.lease(client, "h", ttl=1.5, prefix=prefix):
+        await asyncio.sleep(0.6)  # (renewed at 0.5 s)
         other = await asynclock.acquire(client, "h2", prefix=prefix)
         with pytest.raises(LockBusy):
             async with asynclock.lease(client, "h2", prefix=prefix, blocking=False):
@@ -80,11 +80,11 @@ async def test_events_carry_what_metrics_need(client: Redis, prefix: str) -> Non
     renewed = by_kind[LeaseEventKind.RENEWED][0]
     assert renewed.latency is not None
     assert renewed.slack is not None
-    assert 0 <= renewed.latency < 0.1
-    assert 0.1 < renewed.slack < 0.3
+    assert 0 <= renewed.latency < 0.5
+    assert 0.3 < renewed.slack < 1.5
     released = [e for e in by_kind[LeaseEventKind.RELEASED] if e.name == "h"]
     assert released[0].held is not None
-    assert released[0].held >= 0.15
+    assert released[0].held >= 0.6
     (failed,) = by_kind[LeaseEventKind.ACQUIRE_FAILED]
     assert (failed.name, failed.detail) == ("h2", "busy")
 

@@ -87,10 +87,10 @@ async def test_leases_and_waiters_work_through_sentinel(
         entered = asyncio.Event()
 
         async def holder() -> None:
-            async with asynclock.lease(first, "job", ttl=0.6, prefix=prefix) as lock:
+            async with asynclock.lease(first, "job", ttl=1.2, prefix=prefix) as lock:
                 order.append("first in")
                 entered.set()
-                await asyncio.sleep(0.5)  # (renewed: past ttl/3)
+                await asyncio.sleep(0.6)  # (renewed: past ttl/3)
                 assert lock.state is asynclock.LeaseState.HELD
                 order.append("first out")
 
