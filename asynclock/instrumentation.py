@@ -24,8 +24,8 @@ OpenTelemetry histogram's value is queued), and hand the tallies over when the m
 are collected: Prometheus reads them through a collector of ours at each scrape;
 OpenTelemetry reads the counters through observable counters, and its histograms are fed
 the queued values by a callback that runs at each collection, before the SDK reads them
-(the queue is flushed on the loop too once it holds 10,000 values, should nothing
-collect).
+(the queue keeps the latest 100,000 values, should nothing collect: the SDK is never
+called on the loop).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class OpenTelemetryHook(_Tally):
         TypeError: ``name_label`` is not callable.
     """
 
-    _FLUSH_AT = 10_000  # queued histogram values that make the loop hand them over
+    _KEPT = 100_000  # queued histogram values kept while nothing collects (the latest)
 
     def __init__(
         self,
@@ -149,7 +149,7 @@ class OpenTelemetryHook(_Tally):
 
         super().__init__(_check_label(name_label))
         self._keep_values = histograms
-        self._queue: deque[tuple[str, Labels, float]] = deque()
+        self._queue: deque[tuple[str, Labels, float]] = deque(maxlen=self._KEPT)
         self._flushing = threading.Lock()
         if meter_provider is None:
             meter = metrics.get_meter("asynclock")
@@ -191,10 +191,7 @@ class OpenTelemetryHook(_Tally):
     def _observe(self, histogram: str, names: Labels, value: float) -> None:
         if not self._keep_values:
             return
-        queue = self._queue
-        queue.append((histogram, names, value))
-        if len(queue) >= self._FLUSH_AT:
-            self._flush()
+        self._queue.append((histogram, names, value))
 
     def _attributes(self, names: Labels, *extra: tuple[str, str]) -> dict[str, str]:
         return {**dict(zip(self._attribute_names, names, strict=True)), **dict(extra)}

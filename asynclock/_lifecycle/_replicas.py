@@ -65,6 +65,11 @@ async def confirm_replicas(held: Lease) -> None:
     if confirmed < wanted:
         await _give_back(held)
         raise ReplicationTimeout(options.name, wanted, confirmed, wait_ms / 1000) from error
+    if held.time_left < options.ttl / 3:
+        # Confirmed, but so late that too little of the lease is left to hand it out (as
+        # for an acquire answered late): it does not count either.
+        await _give_back(held)
+        raise ReplicationTimeout(options.name, wanted, -1, wait_ms / 1000)
 
 
 async def _renew_and_wait(held: Lease, wanted: int, wait_ms: int) -> int:
