@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import pytest
@@ -21,10 +21,6 @@ from asynclock import LockBusy, LockLost, LossReason, ReplicationTimeout
 from asynclock.testing import RedisServer, available_engines, keys_left
 
 pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
-
-
-def _wait_until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    wait_until(check, what, timeout)
 
 
 @pytest.fixture
@@ -211,12 +207,12 @@ async def test_a_failover_of_the_locks_primary(
     other = RedisCluster(host="127.0.0.1", port=next(n for n in nodes if n is not primary).port)
     try:
         primary.command("CLUSTER", "MEET", "127.0.0.1", replica.port)
-        _wait_until(
+        wait_until(
             lambda: b"cluster_known_nodes:4" in replica.command("CLUSTER", "INFO"),
             "the new node did not join",
         )
         replica.command("CLUSTER", "REPLICATE", _node_id(primary))
-        _wait_until(
+        wait_until(
             lambda: b"master_link_status:up" in replica.command("INFO", "replication"),
             "the replica did not sync",
         )

@@ -153,8 +153,8 @@ class RedlockLease:
         if event.kind is not LeaseEventKind.LOST or self._lost is not None or self._released:
             return
         if self.held_on < self._quorum:
-            self._lost = LossReason(event.detail) if event.detail in _REASONS else None
-            self._lost = self._lost or LossReason.DEADLINE
+            detail = event.detail
+            self._lost = LossReason(detail) if detail in _REASONS else LossReason.DEADLINE
             for scope in self._scopes:
                 scope.cancel()
             loss = LeaseEvent(

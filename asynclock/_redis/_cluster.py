@@ -71,11 +71,10 @@ def _client_of(cluster: RedisCluster, node: Any) -> Redis:
         setattr(cluster, _NODES, clients)
     client = clients.get(node.name)
     if client is None:
-        settings = dict(node.connection_kwargs)
         pool = _NodePool(
             connection_class=node.connection_class,
             max_connections=node.max_connections,
-            **settings,
+            **node.connection_kwargs,
         )
         client = clients[node.name] = Redis(connection_pool=pool)
     return client
