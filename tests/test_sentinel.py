@@ -110,18 +110,14 @@ async def test_leases_and_waiters_work_through_sentinel(
         await second.aclose()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open (issue 21, B): after SENTINEL FAILOVER, renewals may keep landing on the old "
-    "primary until the sentinel demotes it (up to 10 s), and the new primary's copy can run "
-    "out: LockLost(not_owner) in 2 of the last 4 CI runs; see the session 17 closing note",
-)
 async def test_a_held_lease_follows_a_sentinel_failover(
     deployment: Deployment, prefix: str
 ) -> None:
-    """SENTINEL FAILOVER while a lease (replicated) is held: the old
-    primary turns replica (its writes answer READONLY), renewals reach the new primary
-    and keep the lease, and the release deletes the key there."""
+    """SENTINEL FAILOVER while a lease (replicated) is held, and the old primary never
+    steps down (its ACL refuses REPLICAOF, as when the sentinel cannot reach it): it
+    still accepts writes, so renewals that went on reaching it would be lost with it
+    while the new primary's copy of the key runs out. The renewals follow the primary
+    the sentinel names, keep the lease there, and the release deletes the key there."""
     client = deployment.client()
     renewals = 0
     two_more = asyncio.Event()
@@ -134,28 +130,31 @@ async def test_a_held_lease_follows_a_sentinel_failover(
             if renewals >= wanted:
                 two_more.set()
 
+    old_port = await deployment.primary_port()
+    old = Redis(host="127.0.0.1", port=old_port)
     try:
-        old_port = await deployment.primary_port()
+        # (before any connection of ours: changing a user closes its other connections)
+        await old.execute_command("ACL", "SETUSER", "default", "-replicaof", "-slaveof")
         async with asynclock.lease(
             client, "job", ttl=6.0, prefix=prefix, on_event=on_event
         ) as lock:
             # The replica has the lease (a write after it, then WAIT on that connection).
             # (Not min_replicas=1: with one replica, the new primary has none to confirm
-            # renewals until the sentinel has turned the old primary into its replica.)
-            probe = Redis(host="127.0.0.1", port=old_port)
-            await probe.set(prefix + "probe", "1")
-            assert await probe.execute_command("WAIT", 1, 5000) == 1
+            # renewals.)
+            wanted = 1  # (the renewals' connection reaches the old primary first)
+            async with asyncio.timeout(10):
+                await two_more.wait()
+            two_more.clear()
+            await old.set(prefix + "probe", "1")
+            assert await old.execute_command("WAIT", 1, 5000) == 1
             await deployment.manager.sentinels[0].execute_command("SENTINEL", "FAILOVER", SERVICE)
             await _failed_over(deployment, old_port)
-            async with asyncio.timeout(20):  # the old primary is a replica now
-                while (await probe.info("replication"))["role"] != "slave":  # noqa: ASYNC110 (another process's state)
-                    await asyncio.sleep(0.05)
-            await probe.aclose()
+            new_primary = Redis(host="127.0.0.1", port=await deployment.primary_port())
             wanted = renewals + 2
             async with asyncio.timeout(10):
                 await two_more.wait()  # (renewals every 2 s)
             assert lock.state is asynclock.LeaseState.HELD
-            new_primary = Redis(host="127.0.0.1", port=await deployment.primary_port())
+            assert (await old.info("replication"))["role"] == "master"  # (never stepped down)
             # renewed there within the last renewal period (2 s) and a margin
             assert await new_primary.pttl(lock.key) > 3500
         assert lock.state is asynclock.LeaseState.RELEASED
@@ -164,6 +163,9 @@ async def test_a_held_lease_follows_a_sentinel_failover(
         finally:
             await new_primary.aclose()
     finally:
+        with contextlib.suppress(Exception):
+            await old.execute_command("ACL", "SETUSER", "default", "+@all")
+        await old.aclose()
         await client.aclose()
 
 

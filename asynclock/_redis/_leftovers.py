@@ -18,17 +18,18 @@ import contextlib
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["forget_closed_loops", "forget_connection"]
+__all__ = ["forget_closed_loops", "forget_connection", "pool_connections"]
 
 
 def forget_closed_loops(pool: Any) -> int:
     """Disconnect the connections of ``pool`` (a redis-py asyncio pool) whose streams
     belong to a closed event loop, without that loop. Returns how many were."""
-    connections: list[Any] = [
-        *_members(pool, "_available_connections"),
-        *_members(pool, "_in_use_connections"),
-    ]
-    return sum(forget_connection(connection) for connection in connections)
+    return sum(forget_connection(connection) for connection in pool_connections(pool))
+
+
+def pool_connections(pool: Any) -> list[Any]:
+    """Every connection ``pool`` (a redis-py asyncio pool) has made, idle or in use."""
+    return [*_members(pool, "_available_connections"), *_members(pool, "_in_use_connections")]
 
 
 def _members(pool: Any, attribute: str) -> Iterable[Any]:

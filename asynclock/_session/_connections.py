@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from functools import partial
 from typing import Any
 
 import anyio
 from redis.asyncio import Redis
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import SentinelManagedConnection
+from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
 
 from .._base._shield import finish
@@ -32,6 +33,7 @@ from .._redis._compat import fit_settings
 from .._redis._lane import Lane
 from .._redis._leftovers import forget_closed_loops
 from .._redis._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
+from ._sentinel import follow_primary, sentinel_primary_pool
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
@@ -108,7 +110,9 @@ class Companion:
         """The hot path for acquires and releases, on connections of the caller's pool."""
         self._renewer: Redis | None = None
         self._overflow: Redis | None = None
-        self.watchdog = Watchdog(loop, self.renewer)
+        sentinel = sentinel_primary_pool(client)
+        locate = None if sentinel is None else partial(self._follow_primary, sentinel)
+        self.watchdog = Watchdog(loop, self.renewer, locate)
         self._users = 0
         self._eviction_check: asyncio.Task[None] | None = None
         # (lease key, task) -> how many blocks and guards of that lock the task is in: a
@@ -178,6 +182,9 @@ class Companion:
             )
             self._renewer = Redis.from_pool(pool)
         return self._renewer
+
+    async def _follow_primary(self, pool: SentinelConnectionPool, deadline: float) -> None:
+        await follow_primary(pool, deadline, self.lane, (self._renewer, self._overflow))
 
     def overflow(self) -> Redis:
         """A small pool that waits for a free connection (created on first use, retries off).

@@ -41,7 +41,7 @@ import itertools
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final, Protocol
 
 from redis.asyncio import Redis
@@ -118,9 +118,18 @@ def report_stall(lease: Watched, due: float, now: float, what: str) -> None:
 class Watchdog:
     """Renews the leases of one client and watches their deadlines; see the design note."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, renewer: Callable[[], Redis]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        renewer: Callable[[], Redis],
+        locate: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        """``renewer`` gives the client renewals travel on; ``locate``, if given, runs
+        before each batch is sent, until the loop time it is given (a Sentinel client's
+        renewals follow the primary: see ``_sentinel``)."""
         self._loop = loop
         self._renewer = renewer
+        self._locate = locate
         self._timeline = _Timeline(loop, self._fire)
         self._batches: set[asyncio.Task[None]] = set()
         self._closing = False  # set while aclose() cancels the batches in flight
@@ -280,6 +289,8 @@ class Watchdog:
             count += 1
         packed = b"".join(parts)
         async with asyncio.timeout_at(limit_at):
+            if self._locate is not None:  # (t_send stays before it: the earlier, the safer)
+                await self._locate((t_send + limit_at) / 2)
             replies = await exchange(client, packed, count)
             forgotten = {
                 lease._renew_script.source: None
