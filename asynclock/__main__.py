@@ -193,6 +193,8 @@ def _table(rows: list[list[str]]) -> str:
 def _show(value: object) -> str:
     if value is None:
         return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {_show(left)}" for key, left in value.items()) or "-"
     if isinstance(value, float):
         return f"{value:.3f}"
     return str(value)

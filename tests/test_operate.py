@@ -63,8 +63,11 @@ async def test_inspect_tells_every_kind(client: Redis, prefix: str) -> None:
         assert info.last_fencing_token == plain.fencing_token
         assert info.fence_retention is not None
         assert info.fence_retention > 30
+        assert info.retention.keys() == {"fence"}
+        assert info.retention["fence"] == info.fence_retention
         sem = await asynclock.inspect(client, "sem", prefix=prefix)
         assert (sem.kind, sem.permits_in_use, sem.limit) == ("semaphore", 2, 3)
+        assert {"fence", "limit"} <= sem.retention.keys()
         assert sem.fencing_token == max(p.fencing_token for p in permits)
         rw = await asynclock.inspect(client, "rw", prefix=prefix)
         assert (rw.kind, rw.shared_holders, rw.holder) == ("shared", 1, None)
@@ -80,6 +83,28 @@ async def test_inspect_tells_every_kind(client: Redis, prefix: str) -> None:
             await lease.release()
     with pytest.raises(ValueError, match="name"):
         await asynclock.inspect(client, "", prefix=prefix)
+
+
+async def test_inspect_tells_how_long_auxiliary_keys_are_kept(
+    redis_server: ServerInfo, client: Redis, prefix: str
+) -> None:
+    async def job() -> int:
+        return 1
+
+    assert await asynclock.once(client, "report", job, result_ttl=600, prefix=prefix) == 1
+    info = await asynclock.inspect(client, "report", prefix=prefix)
+    assert not info.held
+    assert {"fence", "result"} <= info.retention.keys()
+    result_left = info.retention["result"]
+    assert result_left is not None
+    assert 590 < result_left <= 600
+    common = ("--url", redis_server.url, "--prefix", prefix)
+    code, out, _ = await _cli("inspect", "report", "--json", *common)
+    assert code == 0
+    assert 590 < json.loads(out)["retention"]["result"] <= 600
+    code, out, _ = await _cli("inspect", "report", *common)
+    assert code == 0
+    assert "result 59" in out or "result 600" in out  # (a table: retention  fence ..., result ...)
 
 
 async def test_release_by_hand_cancels_the_holder_and_wakes_a_waiter(

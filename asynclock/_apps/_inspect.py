@@ -55,6 +55,11 @@ class LockInfo:
     counter, or no expiry)."""
     last_fencing_token: int | None
     """The last fencing token minted for the lock (by any holder), if the counter lives."""
+    retention: dict[str, float | None]
+    """The lock's auxiliary keys that exist, by suffix (``fence``, ``waiting``, ``queue``,
+    ``queue:alive``, ``readers``, ``limit``, ``result``), each with the seconds before it
+    expires (None: no expiry). Short-lived per-holder keys (tombstones, shared holders'
+    keys, tick marks of ``every``) are not listed."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, for JSON."""
@@ -88,16 +93,25 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
     options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
     node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
     limit = stats.limit or 0
+    base = options.base_key
     async with node.pipeline(transaction=False) as pipe:
         pipe.get(options.key)
         pipe.pttl(options.fence_key)
         pipe.get(options.fence_key)
+        for suffix in _AUXILIARY:
+            pipe.pttl(f"{base}:{suffix}")
         for key in _permits(options, limit):
             pipe.get(key)
             pipe.pttl(key)
         replies = await pipe.execute()
     value, fence_pttl, last = replies[0], int(replies[1]), replies[2]
-    permits = [(replies[i], int(replies[i + 1])) for i in range(3, len(replies), 2)]
+    start = 3 + len(_AUXILIARY)
+    retention = {
+        suffix: _seconds(int(pttl))
+        for suffix, pttl in zip(_AUXILIARY, replies[3:start], strict=True)
+        if int(pttl) != -2  # (-2: no such key)
+    }
+    permits = [(replies[i], int(replies[i + 1])) for i in range(start, len(replies), 2)]
     held_permits = [(v, p) for v, p in permits if v is not None]
     fencing_token = holder = None
     time_left = stats.time_left
@@ -134,7 +148,13 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
         limit=stats.limit,
         fence_retention=_seconds(fence_pttl),
         last_fencing_token=int(_text(last)) if last is not None else None,
+        retention=retention,
     )
+
+
+# The suffixes of a lock's auxiliary keys after ``<prefix>{name}:`` (``once``'s result
+# key too: the lease key of a mutex is the base key).
+_AUXILIARY = ("fence", "waiting", "queue", "queue:alive", "readers", "limit", "result")
 
 
 def _permits(options: LeaseOptions, limit: int) -> list[str]:
