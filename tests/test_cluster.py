@@ -1,6 +1,7 @@
 """Leases on Redis Cluster (issue 21, A): a real cluster of three primaries
 (``redis-server --cluster-enabled yes``, joined with ``CLUSTER ADDSLOTSRANGE`` and
-``CLUSTER MEET``), a slot migrated while a lease is held, and a new lease after it."""
+``CLUSTER MEET``), a slot migrated while a lease is held (the lease follows it), and a
+new lease after it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import pytest
 from deployments import cluster_nodes, slot_bounds, wait_until
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import AskError, RedisError
 
 import asynclock
-from asynclock import LockBusy, LockLost, LossReason, ReplicationTimeout
+from asynclock import LockBusy, LockLost, ReplicationTimeout
 from asynclock.testing import RedisServer, available_engines, keys_left
 
 pytestmark = pytest.mark.skipif(not available_engines(), reason="needs a server binary")
@@ -124,70 +125,119 @@ async def test_leases_of_every_kind_on_a_cluster(
         await other.aclose()
 
 
-def _migrate(nodes: list[RedisServer], source: RedisServer, target: RedisServer, key: str) -> None:
-    """Move ``key``'s slot, and its keys, from ``source`` to ``target`` (as
-    ``redis-cli --cluster reshard`` does it)."""
+def _start_migration(source: RedisServer, target: RedisServer, key: str) -> int:
+    """Start moving ``key``'s slot from ``source`` to ``target`` and move its keys (as
+    ``redis-cli --cluster reshard`` does it); returns the slot, still ``MIGRATING``."""
     slot = int(source.command("CLUSTER", "KEYSLOT", key).strip()[1:])
-    source_id = source.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
-    target_id = target.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
-    target.command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    target.command("CLUSTER", "SETSLOT", slot, "IMPORTING", _node_id(source))
+    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", _node_id(target))
     while True:
         reply = source.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
         names = [line for line in reply.split(b"\r\n")[1:] if line and not line.startswith(b"$")]
         if not names:
-            break
+            return slot
         source.command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *names)
-    for server in (target, source, *[n for n in nodes if n not in (source, target)]):
-        server.command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
 
-async def test_a_slot_migrated_while_held_grants_nobody_else(
+def _finish_migration(nodes: list[RedisServer], target: RedisServer, slot: int) -> None:
+    """``target`` owns ``slot`` now (every node told, the target first)."""
+    for server in sorted(nodes, key=lambda n: n is not target):
+        server.command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(target))
+
+
+class _Renewals:
+    """Counts a lease's renewals; ``await renewals.more(n)``: n more than now."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._wanted = 1 << 30
+        self._reached = asyncio.Event()
+
+    def on_event(self, event: asynclock.LeaseEvent) -> None:
+        if event.kind is asynclock.LeaseEventKind.RENEWED:
+            self.count += 1
+            if self.count >= self._wanted:
+                self._reached.set()
+
+    async def more(self, n: int) -> None:
+        self._wanted = self.count + n
+        self._reached.clear()
+        async with asyncio.timeout(15):
+            await self._reached.wait()
+
+
+async def _pttl(server: RedisServer, key: str, *, asking: bool = False) -> int:
+    """PTTL of ``key`` on ``server`` (after ASKING: on the target of a migration)."""
+    client = Redis(host="127.0.0.1", port=server.port, single_connection_client=True)
+    try:
+        if asking:
+            await client.execute_command("ASKING")
+        return int(await client.pttl(key))
+    finally:
+        await client.aclose()
+
+
+async def test_a_held_lease_follows_its_slot_to_another_primary(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:
-    """The slot of a held lock moves to another primary, its key with it: nobody else
-    gets the lock before the holder's block stopped (its renewals, refused with MOVED,
-    leave it to its safe deadline); then a new lease is taken on the new owner through
-    the same cluster client (its MOVED reloads the slot map)."""
+    """The slot of a held lock moves to another primary, its key with it: the holder's
+    renewals, answered MOVED, go to the new owner and keep the lease (nobody else gets
+    the lock); the release deletes the key there; a new lease is then taken on the new
+    owner through the same cluster client (its MOVED reloads the slot map)."""
     key = f"{prefix}{{moving}}"
     source = _owner(nodes, key)
     target = next(n for n in nodes if n is not source)
     other = RedisCluster(host="127.0.0.1", port=target.port)
-    rival_in: float | None = None
-    holder_out = 0.0
-
-    async def rival() -> None:
-        nonlocal rival_in
-        while True:
-            with contextlib.suppress(LockBusy):
-                async with asynclock.lease(other, "moving", ttl=1.0, blocking=False, prefix=prefix):
-                    rival_in = time.monotonic()
-                    return
-            await asyncio.sleep(0.02)
-
+    renewals = _Renewals()
     try:
-        with pytest.raises(LockLost) as lost:
-            async with asynclock.lease(cluster, "moving", ttl=1.2, prefix=prefix):
-                await anyio.to_thread.run_sync(_migrate, nodes, source, target, key)
-                rival_task = asyncio.create_task(rival())
-                try:
-                    await anyio.sleep_forever()
-                finally:
-                    holder_out = time.monotonic()
-        assert lost.value.reason is LossReason.DEADLINE
-        async with asyncio.timeout(10):
-            await rival_task
-        assert rival_in is not None
-        assert rival_in >= holder_out, f"double grant {(holder_out - rival_in) * 1000:.0f} ms"
+        async with asynclock.lease(
+            cluster, "moving", ttl=1.5, prefix=prefix, on_event=renewals.on_event
+        ) as lock:
+            await renewals.more(1)  # (the renewals' connection is the source's)
+            slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+            await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+            await renewals.more(2)
+            assert lock.state is asynclock.LeaseState.HELD
+            assert await _pttl(target, key) > 700  # (renewed there within 0.5 s)
+            with pytest.raises(LockBusy):
+                async with asynclock.lease(other, "moving", blocking=False, prefix=prefix):
+                    pass
+        assert lock.state is asynclock.LeaseState.RELEASED
+        assert await _pttl(target, key) == -2  # (released there)
         # the first cluster client still has the old map: its acquire is MOVED, reloads
-        async with asynclock.lease(cluster, "moving", ttl=1.0, prefix=prefix) as lock:
-            target_client = Redis(host="127.0.0.1", port=target.port)
-            try:
-                assert await target_client.exists(lock.key) == 1
-            finally:
-                await target_client.aclose()
+        async with asynclock.lease(cluster, "moving", ttl=1.0, prefix=prefix) as again:
+            assert await _pttl(target, again.key) > 0
+            assert again.fencing_token > lock.fencing_token
     finally:
         await other.aclose()
+
+
+async def test_a_held_lease_is_renewed_while_its_slot_migrates(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """Mid-migration (the slot MIGRATING on its owner, IMPORTING on the target, the key
+    already moved) the owner answers a renewal with ASK: the lease is renewed on the
+    target after ASKING, stays held, and stays held once the migration ends."""
+    key = f"{prefix}{{halfway}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    renewals = _Renewals()
+    async with asynclock.lease(
+        cluster, "halfway", ttl=1.5, prefix=prefix, on_event=renewals.on_event
+    ) as lock:
+        await renewals.more(1)
+        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+        await renewals.more(2)
+        assert lock.state is asynclock.LeaseState.HELD
+        with pytest.raises(AskError):  # (not on the source any more)
+            await _pttl(source, key)
+        assert await _pttl(target, key, asking=True) > 700
+        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await renewals.more(2)
+        assert lock.state is asynclock.LeaseState.HELD
+        assert await _pttl(target, key) > 700
+    assert lock.state is asynclock.LeaseState.RELEASED
+    assert await _all_keys_left(nodes, prefix) == []
 
 
 def _node_id(server: RedisServer) -> str:

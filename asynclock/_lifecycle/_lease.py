@@ -26,11 +26,13 @@ from typing import Final, final
 
 import anyio
 import anyio.lowlevel
+from redis.exceptions import AskError, MovedError
 
 from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit, hooks
 from .._base._exceptions import LockLost, LossReason
 from .._base._options import LeaseOptions
 from .._base._shield import cancel_dropped, cancelling
+from .._redis._cluster import cluster_of, node_at
 from .._redis._scripts import (
     RENEW,
     RENEW_HEAD,
@@ -41,9 +43,9 @@ from .._redis._scripts import (
     run_idempotent,
     unpack_arg,
 )
-from .._session._connections import Companion, HoldEntry
+from .._session._connections import Companion, HoldEntry, companion_for
 from .._session._watchdog import report_stall
-from ._release import Wake, after_release, release_storing
+from ._release import Wake, after_release, let_go, release_storing
 from ._release import release as release_lease
 
 __all__ = ["Lease", "LeaseGuard", "LeaseState"]
@@ -87,6 +89,7 @@ class Lease:
 
     __slots__ = (
         "_acquired_at",
+        "_asking",
         "_backoff",
         "_closing",
         "_companion",
@@ -141,6 +144,7 @@ class Lease:
         self._due: float | None = None  # when the watchdog renews next (loop time)
         self._backoff: float | None = None  # seconds before the next retry while SUSPECT
         self._closing = False
+        self._asking = False  # renewed after ASKING (its slot migrates here: see _moved)
         self._released: asyncio.Event | None = None  # set once release() has finished
         self._max_hold_timer: asyncio.TimerHandle | None = None  # (max_hold: see _start)
 
@@ -433,6 +437,31 @@ class Lease:
     def _note_backoff(self, backoff: float) -> None:
         """The watchdog's pause (seconds) before the retry after next, while SUSPECT."""
         self._backoff = backoff
+
+    def _moved(self, error: AskError) -> bool:
+        """A renewal was answered ``MOVED`` or ``ASK`` (``error``, a ``MovedError`` or an
+        ``AskError``): on a Redis Cluster, the lock's slot is (being) migrated to the
+        node the answer names. The lease moves to that node's companion, and is renewed
+        there at once (after ``ASKING`` while the slot is migrating; see
+        ``_redis._cluster``). Returns False when it cannot move (not a cluster, being
+        released, or the same node): the renewal then counts as failed."""
+        old = self._companion
+        cluster = cluster_of(old.client)
+        if cluster is None or self._closing or self._state not in _ACTIVE:
+            return False
+        node = node_at(cluster, error.host, int(error.port))
+        if node is None:
+            return False
+        new = companion_for(node)
+        if new is old:
+            return False
+        new.retain()
+        old.pass_holding(self._options.base_key, new)
+        self._companion = new
+        self._asking = not isinstance(error, MovedError)
+        new.watchdog.schedule(self, new.loop.time())
+        let_go(old)
+        return True
 
     def _on_deadline(self, cause: BaseException | None = None) -> None:
         """Called by the watchdog once ``safe_until`` has passed; ``cause``: the failure

@@ -28,7 +28,7 @@ from .._redis._scripts import HANDOFF, RELEASE, SHARED_RELEASE, STORE, UNKNOWN_O
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
 
-__all__ = ["Held", "Wake", "after_release", "release", "release_storing", "unretain"]
+__all__ = ["Held", "Wake", "after_release", "let_go", "release", "release_storing", "unretain"]
 
 log = logging.getLogger("asynclock")
 
@@ -327,6 +327,17 @@ def _proves_loss(held: Held, first: bool) -> bool:
     """Whether a release's answer that the key was not ours, just received, proves the key
     went early: the first attempt's, received before ``safe_until`` (see ``_send_release``)."""
     return first and held._companion.loop.time() < held.safe_until
+
+
+_LETTING_GO: set[asyncio.Task[None]] = set()  # see let_go()
+
+
+def let_go(companion: Companion) -> None:
+    """``unretain`` in the background (closing idle side connections, bounded), for a
+    caller that returns at once."""
+    task = companion.loop.create_task(unretain(companion), name="asynclock-unretain")
+    _LETTING_GO.add(task)
+    task.add_done_callback(_LETTING_GO.discard)
 
 
 async def unretain(companion: Companion) -> None:

@@ -28,12 +28,10 @@ from .._redis._cluster import node_client, reload_slots
 from .._redis._lane import not_sent
 from .._session._connections import Companion, companion_for
 from ._lease import Lease
-from ._release import unretain
+from ._release import let_go, unretain
 from ._replicas import confirm_replicas
 
 __all__ = ["take", "take_reporting"]
-
-_LETTING_GO: set[asyncio.Task[None]] = set()  # see take()
 
 
 async def take(
@@ -115,9 +113,7 @@ async def _take(
     except (JobDone, JobConflict):
         # A job's result (or conflict): its caller returns at once; letting go of the
         # companion (closing idle side connections) goes on in the background.
-        task = companion.loop.create_task(unretain(companion), name="asynclock-unretain")
-        _LETTING_GO.add(task)
-        task.add_done_callback(_LETTING_GO.discard)
+        let_go(companion)
         raise
     except BaseException:
         await unretain(companion)

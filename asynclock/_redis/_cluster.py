@@ -19,13 +19,17 @@ holder's time left, as everywhere.
 
 When the slot map changes (a migration, a failover), an acquire refused with ``MOVED`` or
 ``ASK``, or unable to reach its node, reloads the map and tries the node that owns the
-slot now (see ``_lifecycle._context``). A held lease stays on its node: after its slot
-migrates, its renewals are refused (``MOVED``), and it is lost at its safe deadline; the
-migrated key keeps its expiry, so nobody else takes the lock before then.
+slot now (see ``_lifecycle._take``). A held lease follows its slot: a renewal answered
+``MOVED`` or ``ASK`` moves the lease to the node named in the answer (:func:`node_at`,
+no round trip, made from the cluster's node settings if the map does not know it yet),
+where it is renewed at once, with ``ASKING`` while the slot is still migrating (see
+``_lifecycle._lease``). ``MIGRATE`` moves a key whole, expiry included, so the lease is
+never without its key, and renewals refused on the way only count as failed ones.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Final
 
 from redis.asyncio import Redis
@@ -33,9 +37,10 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ClusterDownError
 
-__all__ = ["node_client", "primary_clients", "reload_slots"]
+__all__ = ["cluster_of", "node_at", "node_client", "primary_clients", "reload_slots"]
 
 _NODES: Final = "_asynclock_nodes"  # on a cluster client: node name -> its node client
+_CLUSTER: Final = "_asynclock_cluster"  # on a node client: a weak reference to its cluster
 
 
 class _NodePool(ConnectionPool):
@@ -64,19 +69,56 @@ async def primary_clients(cluster: RedisCluster) -> list[Redis]:
     return [_client_of(cluster, node) for node in cluster.get_primaries()]
 
 
+def cluster_of(client: Redis) -> RedisCluster | None:
+    """The cluster client whose node client ``client`` is (None: not one, or gone)."""
+    ref: weakref.ref[RedisCluster] | None = getattr(client, _CLUSTER, None)
+    return None if ref is None else ref()
+
+
+def node_at(cluster: RedisCluster, host: str, port: int) -> Redis | None:
+    """The node client of the node at ``host``:``port`` (as a ``MOVED`` or ``ASK`` reply
+    names it), with no round trip: made like the others if the slot map does not know
+    that node yet. None if the cluster client knows no node at all."""
+    name = f"{host}:{port}"
+    clients: dict[str, Redis] = getattr(cluster, _NODES, None) or {}
+    client = clients.get(name)
+    if client is not None:
+        return client
+    node = cluster.get_node(node_name=name)
+    if node is not None:
+        return _client_of(cluster, node)
+    known = cluster.get_nodes()
+    if not known:
+        return None
+    model = known[0]  # (every node of a cluster client has the same settings)
+    settings = {**model.connection_kwargs, "host": host, "port": port}
+    return _make(cluster, name, model.connection_class, model.max_connections, settings)
+
+
 def _client_of(cluster: RedisCluster, node: Any) -> Redis:
+    clients: dict[str, Redis] = getattr(cluster, _NODES, None) or {}
+    client = clients.get(node.name)
+    if client is None:
+        client = _make(
+            cluster, node.name, node.connection_class, node.max_connections, node.connection_kwargs
+        )
+    return client
+
+
+def _make(
+    cluster: RedisCluster,
+    name: str,
+    connection_class: type[Any],
+    max_connections: int,
+    settings: dict[str, Any],
+) -> Redis:
     clients: dict[str, Redis] | None = getattr(cluster, _NODES, None)
     if clients is None:
         clients = {}
         setattr(cluster, _NODES, clients)
-    client = clients.get(node.name)
-    if client is None:
-        pool = _NodePool(
-            connection_class=node.connection_class,
-            max_connections=node.max_connections,
-            **node.connection_kwargs,
-        )
-        client = clients[node.name] = Redis(connection_pool=pool)
+    pool = _NodePool(connection_class=connection_class, max_connections=max_connections, **settings)
+    client = clients[name] = Redis(connection_pool=pool)
+    setattr(client, _CLUSTER, weakref.ref(cluster))
     return client
 
 

@@ -163,6 +163,12 @@ class Companion:
         if count > 0:
             self._holding[entry] = count
 
+    def pass_holding(self, key: str, other: Companion) -> None:
+        """Hand ``other`` the blocks and guards open here of the lock whose lease key is
+        ``key`` (its lease moved there: a cluster slot migrated, see ``_lease._moved``)."""
+        for entry in [e for e in self._holding if e[0] == key]:
+            other._holding[entry] = other._holding.get(entry, 0) + self._holding.pop(entry)
+
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
         return pack(args, *self.lane.encoding)

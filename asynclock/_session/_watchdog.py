@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final, Protocol
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import AskError, NoScriptError, RedisError
 
 from .._base._exceptions import LossReason, ReplicationTimeout
 from .._base._options import LeaseOptions
@@ -59,6 +59,7 @@ log = logging.getLogger("asynclock")
 
 _WINDOW: Final = 0.05  # seconds (at most ttl/30): renewals due this close travel together
 _BATCH: Final = 1000  # most renewals in one pipeline
+_ASKING: Final = pack(("ASKING",), "utf-8", "strict")
 
 
 class Watched(Protocol):
@@ -88,7 +89,10 @@ class Watched(Protocol):
     @property
     def _renew_head(self) -> bytes: ...  # its packed EVALSHA command up to the key
     def _renew_tail(self) -> bytes: ...  # the rest: the lease's own keys and arguments
+    @property
+    def _asking(self) -> bool: ...  # its renewal goes after ASKING (see _lease._moved)
     def _confirm(self, t_send: float, safe_until: float | None = None) -> bool: ...
+    def _moved(self, error: AskError) -> bool: ...  # MOVED/ASK: True if it moved there
     def _found_not_ours(self) -> None: ...
     def _suspect(self, cause: BaseException) -> None: ...
     def _on_deadline(self, cause: BaseException | None = None) -> None: ...
@@ -239,6 +243,8 @@ class Watchdog:
             if not lease._active:
                 continue
             try:
+                if isinstance(reply, AskError) and lease._moved(reply):
+                    continue  # (MOVED too: its slot is elsewhere now, renewed there at once)
                 if isinstance(reply, BaseException):
                     self._retry(lease, reply)
                 elif reply == 1 and lease._options.min_replicas > acked:
@@ -278,9 +284,13 @@ class Watchdog:
         limit_at = min(earliest, t_send + min(lease.ttl for lease in batch) / 3)
         client = self._renewer()
         parts: list[bytes] = []
-        for lease in batch:  # (each lease's kind says how it is renewed)
+        asked: list[int] = []  # (where the replies of ASKING come, to drop them)
+        for i, lease in enumerate(batch):  # (each lease's kind says how it is renewed)
+            if lease._asking:
+                asked.append(i + len(asked))  # (after i renewals and the ASKINGs before)
+                parts.append(_ASKING)
             parts += (lease._renew_head, lease._renew_tail())
-        count = len(batch)
+        count = len(batch) + len(asked)
         wanted = max(lease._options.min_replicas for lease in batch)
         if wanted:  # (see _lifecycle/_replicas: WAIT confirms every write before it)
             wait_ms = min(lease._options.replica_wait_ms for lease in batch)
@@ -292,6 +302,8 @@ class Watchdog:
             if self._locate is not None:  # (t_send stays before it: the earlier, the safer)
                 await self._locate((t_send + limit_at) / 2)
             replies = await exchange(client, packed, count)
+            for index in reversed(asked):
+                del replies[index]
             forgotten = {
                 lease._renew_script.source: None
                 for lease, reply in zip(batch, replies[: len(batch)], strict=True)
@@ -304,6 +316,8 @@ class Watchdog:
                         await client.script_load(source)
                 t_send = loop.time()
                 replies = await exchange(client, packed, count)
+                for index in reversed(asked):
+                    del replies[index]
         acked = 0
         if wanted:
             reply = replies.pop()
