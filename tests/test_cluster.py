@@ -125,6 +125,43 @@ async def test_leases_of_every_kind_on_a_cluster(
         await other.aclose()
 
 
+async def test_waiters_are_woken_by_sharded_pub_sub(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """A waiter of another cluster client subscribes with SSUBSCRIBE on the node that
+    owns the lock's slot (no plain subscription on any node) and is woken by the
+    release's SPUBLISH, long before the holder's TTL (30 s) would let it in."""
+    other = RedisCluster(host="127.0.0.1", port=nodes[2].port)
+    channel = f"{prefix}{{s}}:released"
+    owner = _owner(nodes, channel)
+    clients = {n.port: Redis(host="127.0.0.1", port=n.port) for n in nodes}
+
+    async def subscribers(port: int, kind: str) -> int:
+        reply = await clients[port].execute_command("PUBSUB", kind, channel)
+        return int(reply[1])
+
+    async def waiter() -> float:
+        started = time.monotonic()
+        async with asynclock.lease(other, "s", ttl=30.0, prefix=prefix):
+            return time.monotonic() - started
+
+    try:
+        async with asynclock.lease(cluster, "s", ttl=30.0, prefix=prefix):
+            waiting = asyncio.create_task(waiter())
+            async with asyncio.timeout(10):  # (another process's state)
+                while not await subscribers(owner.port, "SHARDNUMSUB"):  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            for port in clients:
+                assert await subscribers(port, "NUMSUB") == 0
+        async with asyncio.timeout(10):
+            waited = await waiting
+        assert waited < 5.0, waited
+    finally:
+        await other.aclose()
+        for client in clients.values():
+            await client.aclose()
+
+
 def _start_migration(source: RedisServer, target: RedisServer, key: str) -> int:
     """Start moving ``key``'s slot from ``source`` to ``target`` and move its keys (as
     ``redis-cli --cluster reshard`` does it); returns the slot, still ``MIGRATING``."""

@@ -234,6 +234,9 @@ async def force_release(redis: Client, name: str, *, prefix: str = "asynclock:")
     keys += [f"{options.key}:reader:{_text(r)}" for r in readers]
     async with node.pipeline(transaction=True) as pipe:
         pipe.delete(*keys)
-        pipe.publish(options.channel, "asynclock-cli")
+        if node is redis:
+            pipe.publish(options.channel, "asynclock-cli")
+        else:  # (a cluster's waiters listen on the lock's slot: sharded pub/sub)
+            pipe.execute_command("SPUBLISH", options.channel, "asynclock-cli")
         deleted, _ = await pipe.execute()
     return int(deleted)

@@ -13,9 +13,12 @@ closed. The lane (``_lane``) holds a few while leases come and go and gives them
 after a second unused, so a busy node costs no reconnects and an idle one holds nothing
 open once the application is done with its cluster client.
 
-Wake-ups use plain pub/sub on the lock's node: a cluster broadcasts ``PUBLISH`` to every
-node, so the subscription sees releases wherever it is; waiting also falls back on the
-holder's time left, as everywhere.
+Wake-ups use sharded pub/sub on the lock's node: a lock's channels carry its hash tag,
+so they belong to its slot; scripts run through a node's clients publish with
+``SPUBLISH`` (their sharded twins, see ``_scripts.Script``), which reaches only the
+subscribers of that node (and its replicas), and the waiting room subscribes with
+``SSUBSCRIBE`` there. When the slot moves, the node drops those subscriptions
+(``sunsubscribe``) and waiting falls back on the holder's time left, as everywhere.
 
 When the slot map changes (a migration, a failover), an acquire refused with ``MOVED`` or
 ``ASK``, or unable to reach its node, reloads the map and tries the node that owns the
@@ -37,10 +40,30 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ClusterDownError
 
-__all__ = ["cluster_of", "node_at", "node_client", "primary_clients", "reload_slots"]
+__all__ = [
+    "cluster_of",
+    "is_sharded",
+    "mark_sharded",
+    "node_at",
+    "node_client",
+    "primary_clients",
+    "reload_slots",
+]
 
 _NODES: Final = "_asynclock_nodes"  # on a cluster client: node name -> its node client
 _CLUSTER: Final = "_asynclock_cluster"  # on a node client: a weak reference to its cluster
+_SHARDED: Final = "_asynclock_sharded"  # on a client of a cluster node: True
+
+
+def mark_sharded(client: Redis) -> None:
+    """Mark ``client`` as a client of a cluster node: scripts run through it publish
+    with ``SPUBLISH`` (see ``_scripts.Script``)."""
+    setattr(client, _SHARDED, True)
+
+
+def is_sharded(client: Redis) -> bool:
+    """Whether ``client`` is a client of a cluster node (see :func:`mark_sharded`)."""
+    return getattr(client, _SHARDED, False) is True
 
 
 class _NodePool(ConnectionPool):
@@ -119,6 +142,7 @@ def _make(
     pool = _NodePool(connection_class=connection_class, max_connections=max_connections, **settings)
     client = clients[name] = Redis(connection_pool=pool)
     setattr(client, _CLUSTER, weakref.ref(cluster))
+    mark_sharded(client)
     return client
 
 

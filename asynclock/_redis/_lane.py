@@ -42,6 +42,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, MaxConnectionsError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from ._cluster import is_sharded
 from ._compat import as_connection_error, as_max_connections_error, exhausted, get_connection
 
 __all__ = ["Lane", "encoding_in", "encoding_of", "exchange", "mark_not_sent", "not_sent"]
@@ -78,12 +79,15 @@ class Lane:
         "_used",
         "client",
         "encoding",
+        "sharded",
     )
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
         self.encoding = encoding_of(client)
         """How the client's connections encode arguments: (encoding, error handler)."""
+        self.sharded = is_sharded(client)
+        """A client of a cluster node: scripts publish with ``SPUBLISH``."""
         self._loop = loop
         self._idle: list[tuple[Any, float | None]] = []  # (connection, its socket timeout)
         self._held = 0  # connections checked out by the lane, idle or busy

@@ -36,6 +36,7 @@ from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._cluster import is_sharded
 from ._lane import Lane, encoding_of, exchange, mark_not_sent
 
 __all__ = [
@@ -125,15 +126,24 @@ def unpack_arg(packed: bytes, index: int) -> bytes:
         start, index = end + 2 + size + 2, index - 1
 
 
+_PUBLISH: Final = "redis.call('PUBLISH', "
+_SPUBLISH: Final = "redis.call('SPUBLISH', "
+
+
 class Script:
     """A Lua script run by SHA1 with a transparent fallback to its source on NOSCRIPT."""
 
-    __slots__ = ("name", "sha", "source")
+    __slots__ = ("name", "sha", "sharded", "source")
 
     def __init__(self, name: str, source: str) -> None:
         self.name = name
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.sharded = self
+        """The script run through a client of a cluster node: its twin that publishes
+        with ``SPUBLISH`` (to the subscribers of the lock's slot only), if it publishes."""
+        if _PUBLISH in source:
+            self.sharded = Script(f"{name} (sharded)", source.replace(_PUBLISH, _SPUBLISH))
 
     async def __call__(
         self,
@@ -149,11 +159,15 @@ class Script:
         connection error, timeout or cancellation that interrupted the exchange.
         """
         # (a lane looked its client's encoding up once: the hot path)
-        encoding = target.encoding if isinstance(target, Lane) else encoding_of(target)
-        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        if isinstance(target, Lane):
+            encoding, sharded = target.encoding, target.sharded
+        else:
+            encoding, sharded = encoding_of(target), is_sharded(target)
+        script = self.sharded if sharded else self
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, NoScriptError):
-            command = ("EVAL", self.source, len(keys), *keys, *args)
+            command = ("EVAL", script.source, len(keys), *keys, *args)
             reply = await _send(target, pack(command, *encoding), deadline)
         if isinstance(reply, BaseException):
             if isinstance(reply, ResponseError) and str(reply).startswith(_UNAUTHENTICATED):

@@ -29,6 +29,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnec
 from redis.backoff import NoBackoff
 
 from .._base._shield import finish
+from .._redis._cluster import is_sharded, mark_sharded
 from .._redis._compat import fit_settings
 from .._redis._lane import Lane
 from .._redis._leftovers import forget_closed_loops
@@ -104,7 +105,9 @@ class Companion:
         self.client = client
         self.loop = loop
         self.connection_class, self.settings = connection_settings(client)
-        self.room = WaitingRoom(self.connection_class, self.settings)
+        self.sharded = is_sharded(client)
+        """A client of a cluster node: sharded pub/sub (see ``_redis._cluster``)."""
+        self.room = WaitingRoom(self.connection_class, self.settings, sharded=self.sharded)
         self.room.on_orphan = self._undo_grant
         self.lane = Lane(client, loop)
         """The hot path for acquires and releases, on connections of the caller's pool."""
@@ -208,6 +211,8 @@ class Companion:
                 retry=_no_retry(),
             )
             self._overflow = Redis.from_pool(pool)
+            if self.sharded:
+                mark_sharded(self._overflow)
         return self._overflow
 
     async def abandon(self, key: str, token: str, tombstone_ms: int, limit: float) -> None:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from .._redis._compat import connection_errors
 from .._redis._lane import encoding_in
@@ -56,6 +56,7 @@ _YIELD = 0.02  # seconds our head stands back after a release that others compet
 _STALE_CHANNELS = 64  # unused subscriptions kept before they are dropped in one batch
 _HEARTBEAT = 1.0  # seconds of silence on the subscription, while waiters wait, before a PING
 _HEARD_WITHIN = 3 * _HEARTBEAT  # a subscription silent for longer is not trusted to listen
+_SUBSCRIPTION_REPLIES = frozenset((b"subscribe", b"unsubscribe", b"ssubscribe", b"sunsubscribe"))
 
 
 class Waiter:
@@ -86,8 +87,16 @@ class Waiter:
 class WaitingRoom:
     """The local lines of waiters of one client, and the subscription that wakes them."""
 
-    def __init__(self, connection_class: type[Any], settings: dict[str, Any]) -> None:
+    def __init__(
+        self, connection_class: type[Any], settings: dict[str, Any], *, sharded: bool = False
+    ) -> None:
+        """``sharded``: the client of a cluster node, whose locks' channels are sharded
+        (``SSUBSCRIBE``, one lock's channels per command: they share its slot)."""
         self._connection_class = connection_class
+        self._sharded = sharded
+        self._subscribe, self._unsubscribe = (
+            ("SSUBSCRIBE", "SUNSUBSCRIBE") if sharded else ("SUBSCRIBE", "UNSUBSCRIBE")
+        )
         # The listener reads RESP2 bytes and blocks without a socket timeout.
         self._settings = {**settings, "decode_responses": False, "socket_timeout": None}
         # Channel names come back as the bytes our connection encoded them to.
@@ -293,9 +302,9 @@ class WaitingRoom:
                         unconfirmed = self._pending.pop(old, None)
                         if unconfirmed is not None and not unconfirmed.done():
                             unconfirmed.set_result(False)
-                    await self._command("UNSUBSCRIBE", self._both(stale))
+                    await self._command(self._unsubscribe, self._both(stale))
                 self._subscribed.add(channel)
-                await self._command("SUBSCRIBE", self._both((channel,)))
+                await self._command(self._subscribe, self._both((channel,)))
             async with asyncio.timeout(limit):
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -310,7 +319,11 @@ class WaitingRoom:
             inflight[name] = inflight.get(name, 0) + 1
             self._acked.discard(name)
         with connection_errors():  # (a dropped connection, on some Pythons: _compat)
-            await self._connection.send_command(command, *names)
+            if not self._sharded:
+                await self._connection.send_command(command, *names)
+                return
+            for i in range(0, len(names), 2):  # (a lock's pair: one slot, see _both)
+                await self._connection.send_command(command, *names[i : i + 2])
 
     async def _ensure_reader(self, limit: float = _SUBSCRIBE_LIMIT) -> None:
         if self._reader is not None:
@@ -345,7 +358,7 @@ class WaitingRoom:
                         self._heard = loop.time()
                         pinged = False
                         if self._subscribed:
-                            await self._command("SUBSCRIBE", self._both(self._subscribed))
+                            await self._command(self._subscribe, self._both(self._subscribed))
                         self._healthy = True
                     reply = await self._connection.read_response(timeout=_HEARTBEAT)
                     if reply is None:  # silence for _HEARTBEAT seconds
@@ -358,6 +371,13 @@ class WaitingRoom:
                     self._heard = loop.time()
                     pinged = False
                     backoff = 0.05
+            except ResponseError as exc:
+                # A refused (S)SUBSCRIBE: on a cluster node, MOVED for a slot that moved
+                # away. The connection is fine; its waiters fall back on the holder's
+                # time left, and their next attempt finds the slot's new owner.
+                log.debug("asynclock: a subscription was refused: %r", exc)
+                self._heard = loop.time()
+                continue
             except (RedisError, OSError) as exc:
                 log.debug("asynclock: wake-up subscription broken: %r", exc)
                 self._healthy = False
@@ -396,7 +416,7 @@ class WaitingRoom:
             name = str(raw_channel)
         grant = name.endswith(self._grants)  # (a lock's channel ends in "}:released")
         channel = name[: -len(self._grants)] if grant else name
-        if kind == b"message":
+        if kind == b"message" or kind == b"smessage":
             payload = reply[2] if len(reply) > 2 else b""
             if grant:
                 self._granted(channel, payload)
@@ -407,12 +427,15 @@ class WaitingRoom:
                     timer.cancel()
                 self.wake(channel)
                 return True
-        elif kind == b"subscribe" or kind == b"unsubscribe":
+        elif kind in _SUBSCRIPTION_REPLIES:
+            unsubscribed = kind == b"unsubscribe" or kind == b"sunsubscribe"
             left = self._inflight.pop(name, 0) - 1
             if left > 0:  # a later command for it is not answered yet
                 self._inflight[name] = left
-            elif kind == b"unsubscribe":
+            elif unsubscribed:
                 self._confirmed.discard(channel)
+                if left < 0:  # not asked for: the server dropped it (its slot moved)
+                    self._subscribed.discard(channel)
             else:
                 self._acked.add(name)
                 if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
