@@ -179,3 +179,57 @@ async def test_opentelemetry_counters_only(client: Redis, prefix: str) -> None:
     points = _otel_points(reader)
     assert _sum(points["asynclock.lease.acquisitions"], outcome="acquired") == 1
     assert "asynclock.lease.hold_time" not in points
+
+
+def test_batches_from_two_loops_are_counted_exactly(redis_server: Any, prefix: str) -> None:
+    """Two event loops in two threads take 300 leases each (more than a batch of 256,
+    so batches are tallied on the loops and the rest at collection): every acquisition
+    and release is counted once, in both hooks, while a third thread collects
+    meanwhile; a hook whose batch form raises breaks neither locking nor the others."""
+    import threading
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    class Broken(instrumentation.PrometheusHook):
+        def _asynclock_sink(self, batch: list[Any]) -> None:
+            raise RuntimeError("a broken metrics hook")
+
+    registry = CollectorRegistry()
+    prom = instrumentation.PrometheusHook(registry=registry)
+    reader = InMemoryMetricReader()
+    otel = instrumentation.OpenTelemetryHook(meter_provider=MeterProvider(metric_readers=[reader]))
+    instrumentation.set_hooks([Broken(registry=CollectorRegistry()), prom, otel])
+    done = threading.Event()
+
+    def take_300(name: str) -> None:
+        async def run() -> None:
+            client = Redis.from_url(redis_server.url)
+            try:
+                for _ in range(300):
+                    async with asynclock.lease(client, name, prefix=prefix):
+                        pass
+            finally:
+                await client.aclose()
+
+        asyncio.run(run())
+
+    def collect_meanwhile() -> None:
+        while not done.wait(0.01):
+            generate_latest(registry)
+            reader.get_metrics_data()
+
+    workers = [threading.Thread(target=take_300, args=(n,)) for n in ("x", "y")]
+    collector = threading.Thread(target=collect_meanwhile)
+    for thread in (*workers, collector):
+        thread.start()
+    for thread in workers:
+        thread.join(timeout=120)
+    done.set()
+    collector.join(timeout=10)
+    assert not any(t.is_alive() for t in (*workers, collector))
+    text = generate_latest(registry).decode()
+    assert 'asynclock_lease_acquisitions_total{outcome="acquired"} 600.0' in text
+    assert "asynclock_lease_hold_seconds_count 600.0" in text
+    points = _otel_points(reader)
+    assert _sum(points["asynclock.lease.acquisitions"], outcome="acquired") == 600

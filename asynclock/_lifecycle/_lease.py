@@ -28,7 +28,7 @@ import anyio
 import anyio.lowlevel
 from redis.exceptions import AskError, MovedError
 
-from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit, hooks
+from .._base._events import EventHook, LeaseEventKind, hooks, report
 from .._base._exceptions import LockLost, LossReason
 from .._base._options import LeaseOptions
 from .._base._shield import cancel_dropped, cancelling
@@ -394,9 +394,10 @@ class Lease:
             held = None
             if kind is LeaseEventKind.RELEASED or kind is LeaseEventKind.LOST:
                 held = now - self._acquired_at
-            event = LeaseEvent(
+            report(
+                self._hook,
                 kind,
-                self.name,
+                self._options.name,
                 self.fencing_token,
                 now,
                 self._safe_until,
@@ -406,7 +407,6 @@ class Lease:
                 latency,
                 slack,
             )
-            emit(self._hook, event)
 
     def _start(self, scope: anyio.CancelScope | None) -> None:
         """Schedule the first renewal, which also watches the deadline (no await in

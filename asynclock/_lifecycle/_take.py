@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit, hooks
+from .._base._events import EventHook, LeaseEventKind, hooks, report
 from .._base._exceptions import AcquireTimeout, LockBusy
 from .._base._options import Client, LeaseOptions
 from .._kinds._fair import FairAcquisition
@@ -63,7 +63,7 @@ async def take_reporting(
             now = loop.time()
             why = "busy" if isinstance(exc, LockBusy) else "timeout"
             failed = LeaseEventKind.ACQUIRE_FAILED
-            emit(hook, LeaseEvent(failed, options.name, 0, now, 0.0, why, now - t_call))
+            report(hook, failed, options.name, 0, now, 0.0, why, now - t_call)
         raise
     return held, loop.time() - t_call
 
