@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._lifecycle._context import lease
 
@@ -240,23 +242,35 @@ async def _operate(args: argparse.Namespace) -> int:
                 f"release {args.name!r} ({info.kind}, holder {_show(info.holder)}, fencing "
                 f"token {_show(info.fencing_token)})? The holder is cancelled. [y/N] "
             )
-            try:
-                answer = await asyncio.to_thread(input, question)
-            except EOFError:  # (no terminal to answer: not confirmed)
-                answer = ""
+            # On stderr (stdout may be --json), read here: nothing else runs on the loop
+            # meanwhile, and Ctrl-C stops at once (input() in a thread would be waited
+            # for at exit).
+            print(question, end="", file=sys.stderr, flush=True)
+            answer = sys.stdin.readline()  # (see above; "" without a terminal)
             if answer.strip().lower() not in ("y", "yes"):
                 print("not released", file=sys.stderr)
                 return 3
-        deleted = await force_release(client, args.name, prefix=args.prefix)
+        # (only the holder that was shown: another may have taken the lock since)
+        holder = info.fencing_token if info.kind == "mutex" else None
+        deleted = await force_release(client, args.name, prefix=args.prefix, fencing_token=holder)
+        if deleted is None:
+            print(
+                f"asynclock release: {args.name!r} changed holders since; nothing released",
+                file=sys.stderr,
+            )
+            return 1
         if args.json:
             print(json.dumps({"released": args.name, "keys_deleted": deleted}))
         else:
             print(f"released {args.name!r} ({deleted} key(s) deleted); waiters woken")
         return 0
-    except (RedisConnectionError, OSError) as exc:
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         print(
             f"asynclock {args.subcommand}: cannot reach Redis at {args.url}: {exc}", file=sys.stderr
         )
+        return 69
+    except RedisError as exc:  # (refused: NOAUTH, NOPERM, a wrong type, ...)
+        print(f"asynclock {args.subcommand}: Redis at {args.url} said: {exc}", file=sys.stderr)
         return 69
     finally:
         await client.aclose()

@@ -4,6 +4,7 @@ release`` commands run as subprocesses against a real server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 
 import asynclock
 from asynclock import LockLost, LossReason
-from asynclock.testing import ServerInfo
+from asynclock.testing import RedisServer, ServerInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,6 +190,52 @@ async def test_the_commands_exit_codes_and_output(
         assert "cannot reach Redis" in err
     finally:
         await lease.release()
+
+
+async def test_release_by_hand_releases_only_the_holder_shown(
+    redis_server: ServerInfo, client: Redis, prefix: str
+) -> None:
+    """The holder the command showed is the one released: a fencing token given to
+    force_release that the key no longer holds releases nothing; a confirmed release
+    with --json prints the prompt on stderr, and only JSON on stdout."""
+    first = await asynclock.acquire(client, "job", ttl=30, prefix=prefix)
+    await first.release()
+    second = await asynclock.acquire(client, "job", ttl=30, prefix=prefix)
+    try:
+        stale = first.fencing_token
+        assert await asynclock_force_release(client, "job", prefix, stale) is None
+        assert second.state is asynclock.LeaseState.HELD
+        assert await client.exists(second.key) == 1
+        common = ("--url", redis_server.url, "--prefix", prefix)
+        code, out, err = await _cli("release", "--force", "job", "--json", *common, stdin="y\n")
+        assert code == 0, err
+        assert json.loads(out) == {"released": "job", "keys_deleted": 1}
+        assert "[y/N]" in err
+        assert await client.exists(second.key) == 0
+    finally:
+        with contextlib.suppress(LockLost):
+            await second.release()
+
+
+async def asynclock_force_release(
+    client: Redis, name: str, prefix: str, fencing_token: int
+) -> int | None:
+    from asynclock._apps._inspect import force_release
+
+    return await force_release(client, name, prefix=prefix, fencing_token=fencing_token)
+
+
+async def test_a_server_that_does_not_answer_is_reported(private_server: RedisServer) -> None:
+    """A server that accepts connections but never answers (SIGSTOP): the command
+    reports it with exit status 69 (the client's 5 s time limit), not a traceback."""
+    private_server.pause()
+    try:
+        code, _, err = await _cli("inspect", "job", "--url", private_server.url)
+    finally:
+        private_server.resume()
+    assert code == 69, err
+    assert "cannot reach Redis" in err
+    assert "Traceback" not in err
 
 
 async def test_list_covers_every_primary_of_a_cluster(prefix: str) -> None:

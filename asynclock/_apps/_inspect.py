@@ -220,10 +220,21 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-async def force_release(redis: Client, name: str, *, prefix: str = "asynclock:") -> int:
+async def force_release(
+    redis: Client,
+    name: str,
+    *,
+    prefix: str = "asynclock:",
+    fencing_token: int | None = None,
+) -> int | None:
     """Release the lock ``name`` by hand, whoever holds it: delete its holders' keys
     (never its fencing counter) and wake its waiters. The holders lose their leases at
     their next renewal (``LockLost(not_owner)``). Returns how many keys were deleted.
+
+    With ``fencing_token`` (the holder's, as :func:`inspect` showed it), only that
+    holder is released: if the lock's key holds another token by then (the holder
+    released it and another took it), nothing is deleted and None is returned. The
+    check and the deletion are one step in Redis.
     """
     info = await statistics(redis, name, prefix=prefix)
     options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
@@ -232,11 +243,24 @@ async def force_release(redis: Client, name: str, *, prefix: str = "asynclock:")
     keys += _permits(options, info.limit or 0)
     readers = await node.zrange(options.readers_key, 0, -1)
     keys += [f"{options.key}:reader:{_text(r)}" for r in readers]
-    async with node.pipeline(transaction=True) as pipe:
-        pipe.delete(*keys)
-        if node is redis:
-            pipe.publish(options.channel, "asynclock-cli")
-        else:  # (a cluster's waiters listen on the lock's slot: sharded pub/sub)
-            pipe.execute_command("SPUBLISH", options.channel, "asynclock-cli")
-        deleted, _ = await pipe.execute()
-    return int(deleted)
+    publish = "PUBLISH" if node is redis else "SPUBLISH"  # (a cluster's: sharded)
+    expected = "" if fencing_token is None else str(fencing_token)
+    deleted = await node.eval(
+        _FORCE_RELEASE, len(keys), *keys, expected, options.channel, "asynclock-cli", publish
+    )
+    return None if int(deleted) < 0 else int(deleted)
+
+
+# KEYS: the lock's key first, then its other holder keys; ARGV: the fencing token the
+# key must hold ('' for any), the channel, the message, PUBLISH or SPUBLISH.
+_FORCE_RELEASE = """
+if ARGV[1] ~= '' then
+  local value = redis.call('GET', KEYS[1])
+  if not value or string.match(value, '^[^:]*:(%d+)') ~= ARGV[1] then
+    return -1
+  end
+end
+local deleted = redis.call('DEL', unpack(KEYS))
+redis.call(ARGV[4], ARGV[2], ARGV[3])
+return deleted
+"""
