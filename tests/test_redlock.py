@@ -102,7 +102,10 @@ async def test_held_on_every_server_and_exclusive(
         assert lock.held_on == 3
         assert lock.time_left > 0.4
     assert lock.state is asynclock.LeaseState.RELEASED
-    assert [e.kind for e in events] == [LeaseEventKind.ACQUIRED]
+    assert [e.kind for e in events] == [LeaseEventKind.ACQUIRED, LeaseEventKind.RELEASED]
+    assert events[0].waited is not None
+    assert events[1].held is not None
+    assert events[1].held > 1.5
     assert await _keys(first, prefix) == []
     held = await asynclock.acquire(second, "job", ttl=2.0, blocking_timeout=2.0, prefix=prefix)
     with pytest.raises(AcquireTimeout):
@@ -184,3 +187,39 @@ async def test_cancelled_while_acquiring_leaves_nothing(
         while await _keys(first[:2], prefix):  # noqa: ASYNC110 (given back in the background)
             await asyncio.sleep(0.02)
     servers[2].resume()
+
+
+async def test_counted_once_by_the_process_hooks_and_not_reentrant(
+    first: list[Redis], prefix: str
+) -> None:
+    """The process's metrics hooks count a Redlock as one lock (its servers' leases
+    report to it alone): one acquisition, one hold time. A task in a block or guard of
+    it that takes it again is refused at once (it would wait for itself); a guard of a
+    lock given back is refused."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from asynclock import instrumentation
+
+    registry = CollectorRegistry()
+    instrumentation.set_hooks([instrumentation.PrometheusHook(registry=registry)])
+    try:
+        async with asynclock.lease(first, "once", ttl=1.2, prefix=prefix):
+            with pytest.raises(RuntimeError, match="already held by this task"):
+                async with asynclock.lease(first, "once", prefix=prefix):
+                    pass
+        text = generate_latest(registry).decode()
+        assert 'asynclock_lease_acquisitions_total{outcome="acquired"} 1.0' in text
+        assert "asynclock_lease_hold_seconds_count 1.0" in text
+    finally:
+        instrumentation.set_hooks([])
+    lock = await asynclock.acquire(first, "guarded", ttl=1.2, prefix=prefix)
+    async with lock.guard():
+        with pytest.raises(RuntimeError, match="already held by this task"):
+            await asynclock.acquire(first, "guarded", prefix=prefix)
+        with pytest.raises(RuntimeError, match="guard"):
+            await lock.release()
+    await lock.release()
+    with pytest.raises(RuntimeError, match="released"):
+        async with lock.guard():
+            pass
+    assert await _keys(first, prefix) == []

@@ -21,6 +21,7 @@ __all__ = [
     "LeaseEventKind",
     "Sink",
     "Tallied",
+    "alone",
     "drain",
     "emit",
     "hooks",
@@ -143,6 +144,25 @@ def set_hooks(new: tuple[EventHook, ...]) -> None:
     _HOOKS[0] = new
 
 
+class _Alone:
+    """A lease's own hook that alone hears its events (see :func:`alone`)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: EventHook) -> None:
+        self.hook = hook
+
+    def __call__(self, event: LeaseEvent) -> object:
+        return self.hook(event)
+
+
+def alone(hook: EventHook) -> EventHook:
+    """``hook`` as a lease's own hook that the process's hooks do not share: for the
+    parts of a lock that report as a whole (a Redlock's lease on each server), so
+    metrics count the lock once."""
+    return _Alone(hook)
+
+
 def report(
     hook: EventHook | None,
     kind: LeaseEventKind,
@@ -169,6 +189,12 @@ def report(
     No event object is made unless a hook that takes one is set. Sinks are called under
     a lock, so a hook's tallies change in one thread at a time, whichever loop or
     collecting thread drains."""
+    if type(hook) is _Alone:
+        event = LeaseEvent(
+            kind, name, fencing_token, at, safe_until, detail, waited, held, latency, slack
+        )
+        _call(hook, event)
+        return
     plain = _PLAIN[0]
     if hook is not None or plain:
         event = LeaseEvent(

@@ -33,10 +33,12 @@ from collections.abc import Sequence
 from types import TracebackType
 
 import anyio
+from redis.asyncio import Redis
 
-from .._base._events import EventHook, LeaseEvent, LeaseEventKind, emit
+from .._base._events import EventHook, LeaseEvent, LeaseEventKind, alone, emit
 from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
+from .._session._connections import HoldEntry, companion_for
 from ._lease import Lease, LeaseState
 from ._take import take
 
@@ -74,6 +76,7 @@ class RedlockLease:
         self._released = False
         self._scopes: list[anyio.CancelScope] = []
         self._loop = asyncio.get_running_loop()
+        self._acquired_at = self._loop.time()  # (set again once held: see acquire_redlock)
 
     @property
     def name(self) -> str:
@@ -142,10 +145,30 @@ class RedlockLease:
         """Give the lock back on every server (each release shielded and bounded by
         ``release_timeout``). Raises ``LockLost`` if the majority was lost before."""
         if not self._released:
+            if self._scopes:
+                raise RuntimeError(f"release() of {self._name!r} while a guard() of it is open")
             self._released = True
             await _release_all(self._leases)
+            self._report_released()
         if self._lost is not None:
             raise LockLost(self._name, self._lost)
+
+    def _report_released(self) -> None:
+        """The ``released`` event of the lock as a whole (its servers' leases report
+        to it alone), unless it was lost."""
+        if self._lost is None:
+            now = self._loop.time()
+            held = now - self._acquired_at
+            released = LeaseEventKind.RELEASED
+            token = self.fencing_token
+            emit(self._hook, LeaseEvent(released, self._name, token, now, 0.0, "", held=held))
+
+    def _holding(self) -> list[tuple[Lease, HoldEntry]]:
+        """Note, on every server's client, that the current task is in a block or guard
+        of this lock (a nested attempt of it would wait for itself: see acquire_redlock)."""
+        return [
+            (lease, lease._companion.holding(lease._options.base_key)) for lease in self._leases
+        ]
 
     def _on_event(self, event: LeaseEvent) -> None:
         """A server's lease was lost: the Redlock is lost once fewer than a majority
@@ -182,13 +205,17 @@ class _Guard:
     def __init__(self, lock: RedlockLease) -> None:
         self._lock = lock
         self._scope = anyio.CancelScope()
+        self._entries: list[tuple[Lease, HoldEntry]] = []
 
     async def __aenter__(self) -> RedlockLease:
         lock = self._lock
         if lock._lost is not None:
             raise LockLost(lock.name, lock._lost)
+        if lock._released:
+            raise RuntimeError(f"the lock {lock.name!r} has been released")
         lock._scopes.append(self._scope)
         self._scope.__enter__()
+        self._entries = lock._holding()
         return lock
 
     async def __aexit__(
@@ -198,6 +225,8 @@ class _Guard:
         tb: TracebackType | None,
     ) -> None:
         lock = self._lock
+        for lease, entry in self._entries:
+            lease._companion.left(entry)
         swallowed = self._scope.__exit__(exc_type, exc, tb)
         lock._scopes.remove(self._scope)
         if lock._lost is not None and (exc is None or swallowed):
@@ -238,6 +267,7 @@ class RedlockContext:
             with anyio.CancelScope(shield=True):
                 await _release_all(lock._leases)
             lock._released = True
+            lock._report_released()
         finally:
             await guard.__aexit__(exc_type, exc, tb)
 
@@ -258,20 +288,26 @@ async def acquire_redlock(
     blocking, timeout = first.redlock_blocking
     quorum = len(servers) // 2 + 1
     loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
+    t_call = loop.time()
+    deadline = None if timeout is None else t_call + timeout
+    for server in servers:  # (a task in a block or guard of it would wait for itself)
+        if isinstance(server, Redis):
+            companion_for(server).check_not_holding(first.base_key, first.name)
     while True:
         lock = RedlockLease(first.name, first.ttl, [], quorum, len(servers), hook)
-        t_start = loop.time()
         leases, errors = await _take_all(servers, options, lock, first.ttl / 3)
         if len(leases) >= quorum:
             lock._leases = leases
             if lock.safe_until - loop.time() >= first.ttl / 3:
+                now = loop.time()
+                lock._acquired_at = now
                 event = LeaseEvent(
                     LeaseEventKind.ACQUIRED,
                     first.name,
                     lock.fencing_token,
-                    t_start,
+                    now,
                     lock.safe_until,
+                    waited=now - t_call,
                 )
                 emit(hook, event)
                 return lock
@@ -294,7 +330,7 @@ async def _take_all(
     attempt still running at the limit is cancelled (which undoes it); one that took
     the lock all the same is given back when it ends."""
     tasks = [
-        asyncio.ensure_future(take(server, o, lock._on_event))
+        asyncio.ensure_future(take(server, o, alone(lock._on_event)))
         for server, o in zip(servers, options, strict=True)
     ]
     try:
