@@ -277,6 +277,42 @@ async def test_a_held_lease_is_renewed_while_its_slot_migrates(
     assert await _all_keys_left(nodes, prefix) == []
 
 
+async def test_an_acquire_waits_for_its_slots_migration(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """A blocking acquire of a lock whose slot is halfway through a migration (its owner
+    answers ASK) waits for the migration to end, longer than its old give-up of about
+    1.5 s, then takes the lock on the new owner; its blocking_timeout counts once, from
+    the call, across the attempts."""
+    key = f"{prefix}{{later}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+    waiting = asyncio.create_task(
+        asynclock.acquire(cluster, "later", ttl=5.0, blocking_timeout=30.0, prefix=prefix)
+    )
+    done, _ = await asyncio.wait([waiting], timeout=2.5)
+    assert not done, waiting.result() if not waiting.exception() else waiting.exception()
+    await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+    async with asyncio.timeout(10):
+        lock = await waiting
+    try:
+        assert await _pttl(target, key) > 0
+    finally:
+        await lock.release()
+    other = f"{prefix}{{never}}"
+    source = _owner(nodes, other)
+    target = next(n for n in nodes if n is not source)
+    slot = await anyio.to_thread.run_sync(_start_migration, source, target, other)
+    try:
+        started = time.monotonic()
+        with pytest.raises(asynclock.AcquireTimeout):
+            await asynclock.acquire(cluster, "never", blocking_timeout=1.0, prefix=prefix)
+        assert time.monotonic() - started < 5.0
+    finally:
+        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+
+
 def _node_id(server: RedisServer) -> str:
     return server.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
 

@@ -11,6 +11,7 @@ that owns it. With ``min_replicas`` the lease is confirmed by replicas first
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -68,8 +69,9 @@ async def take_reporting(
     return held, loop.time() - t_call
 
 
-_SLOT_TRIES = 5  # attempts on a cluster whose slot map changes under us
+_SLOT_TRIES = 5  # attempts after MOVED or an unreachable node (the map reloaded each time)
 _SLOT_PAUSE = 0.05  # seconds before the first retry after ASK/TRYAGAIN (doubled each)
+_SLOT_PAUSE_MOST = 0.5  # seconds: the longest pause between those retries
 
 
 async def _take_on_cluster(
@@ -77,21 +79,42 @@ async def _take_on_cluster(
 ) -> Lease:
     """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
     ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
-    tries again; ``ASK`` or ``TRYAGAIN`` (the slot is migrating) waits a little first."""
+    tries again (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating)
+    waits a little and tries again: while ``blocking``, until the migration ends or
+    ``blocking_timeout`` runs out (counted once, from the call, across attempts);
+    otherwise ``_SLOT_TRIES`` times."""
+    loop = asyncio.get_running_loop()
+    wait = options.blocking_timeout
+    deadline = None if wait is None else loop.time() + wait
     pause = _SLOT_PAUSE
-    for attempt in range(_SLOT_TRIES):
+    moved = 0
+    attempts = 0
+    while True:
+        attempts += 1
         node = await node_client(cluster, options.base_key)
+        attempt = options
+        if deadline is not None and attempts > 1:
+            attempt = replace(options, blocking_timeout=max(0.0, deadline - loop.time()))
         try:
-            return await _take(node, options, hook, job)
+            return await _take(node, attempt, hook, job)
         except (MovedError, AskError, TryAgainError, RedisConnectionError) as exc:
-            last = attempt == _SLOT_TRIES - 1
-            if last or (isinstance(exc, RedisConnectionError) and not not_sent(exc)):
-                raise
-            if not isinstance(exc, MovedError | RedisConnectionError):
+            if isinstance(exc, MovedError | RedisConnectionError):
+                moved += 1
+                if moved >= _SLOT_TRIES or (
+                    isinstance(exc, RedisConnectionError) and not not_sent(exc)
+                ):
+                    raise
+            else:  # ASK, TRYAGAIN: a migration under way
+                left = None if deadline is None else deadline - loop.time()
+                if not options.blocking and attempts >= _SLOT_TRIES:
+                    raise
+                if left is not None and left <= pause:
+                    raise AcquireTimeout(
+                        options.name, wait or 0.0, "its slot was migrating"
+                    ) from exc
                 await asyncio.sleep(pause)
-                pause *= 2
+                pause = min(pause * 2, _SLOT_PAUSE_MOST)
             await reload_slots(cluster)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def _take(
