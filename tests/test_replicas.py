@@ -101,6 +101,24 @@ async def test_unconfirmed_acquisition_is_given_back(pair: Pair, prefix: str) ->
     assert await keys_left(pair.on_primary, prefix) == []
 
 
+async def test_the_wait_outlasts_a_short_socket_timeout(pair: Pair, prefix: str) -> None:
+    """A client whose socket time limit (0.2 s) is shorter than the wait (a tenth of a
+    10 s TTL: 1 s): WAIT runs its course on a connection without that limit, and the
+    answer is the replicas' count (0 of 1, the replica stopped), not "no answer"."""
+    client = Redis.from_url(pair.primary.url, socket_timeout=0.2)
+    pair.replica.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReplicationTimeout) as caught:
+            await asynclock.acquire(client, "slow", ttl=10.0, min_replicas=1, prefix=prefix)
+        assert caught.value.confirmed == 0
+        assert time.monotonic() - started >= 0.9
+        assert await keys_left(pair.on_primary, prefix) == []
+    finally:
+        pair.replica.resume()
+        await client.aclose()
+
+
 async def test_cancelled_while_replicas_confirm_leaves_nothing(pair: Pair, prefix: str) -> None:
     """Cancelled while WAIT blocks (the replica is stopped): the lease is given back,
     and another client takes the lock at once."""

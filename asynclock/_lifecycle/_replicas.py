@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, cast
 
 from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
 
-from .._base._exceptions import ReplicationTimeout
+from .._base._exceptions import LockLost, LossReason, ReplicationTimeout
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
 from .._session._connections import Companion
@@ -46,7 +46,10 @@ async def confirm_replicas(held: Lease) -> None:
 
     Raises:
         ReplicationTimeout: fewer replicas confirmed within the wait (or Redis did not
-            answer in time); the lease was given back.
+            answer in time, or refused: the error is its ``__cause__``); the lease was
+            given back.
+        LockLost: the key was not ours any more when it was to be confirmed (deleted or
+            expired since the grant: ``not_owner``); nothing to give back.
         asyncio.CancelledError: the caller was cancelled; the lease was given back.
     """
     options = held._options
@@ -62,6 +65,9 @@ async def confirm_replicas(held: Lease) -> None:
     except BaseException:
         await _give_back(held)
         raise
+    if confirmed == _NOT_OURS:
+        await _give_back(held)  # (finds it not ours: the lease is marked lost)
+        raise LockLost(options.name, LossReason.NOT_OWNER)
     if confirmed < wanted:
         await _give_back(held)
         raise ReplicationTimeout(options.name, wanted, confirmed, wait_ms / 1000) from error
@@ -72,32 +78,47 @@ async def confirm_replicas(held: Lease) -> None:
         raise ReplicationTimeout(options.name, wanted, -1, wait_ms / 1000)
 
 
+_NOT_OURS = -2
+
+
 async def _renew_and_wait(held: Lease, wanted: int, wait_ms: int) -> int:
     """Renew ``held`` and ``WAIT`` behind it on one connection: the replicas that
-    acknowledged, or -1 if the renewal found the key not ours or failed."""
+    acknowledged, or ``_NOT_OURS`` if the renewal found the key not ours. Raises the
+    error reply of either command (READONLY after a failover, say)."""
     companion = held._companion
     packed = b"".join(
         (held._renew_head, held._renew_tail(), companion.pack("WAIT", wanted, wait_ms))
     )
     # (on the lane: its connections stay open while leases come and go, where a pool
     # of our own would be closed with the last lease and reopened by the next)
-    renewed, acked = await _send(companion, packed)
+    renewed, acked = await _send(companion, packed, wait_ms)
     if isinstance(renewed, NoScriptError):  # (a fresh or restarted server)
         with connection_errors():
             await companion.client.script_load(held._renew_script.source)
-        renewed, acked = await _send(companion, packed)
-    if renewed != 1 or not isinstance(acked, int):
-        return -1
-    return acked
+        renewed, acked = await _send(companion, packed, wait_ms)
+    for reply in (renewed, acked):
+        if isinstance(reply, BaseException):
+            raise reply
+    if renewed != 1:
+        return _NOT_OURS
+    return acked if isinstance(acked, int) else -1
 
 
-async def _send(companion: Companion, packed: bytes) -> list[object]:
+async def _send(companion: Companion, packed: bytes, wait_ms: int) -> list[object]:
     """The renewal and WAIT, on the lane, or asynclock's own pool when the caller's is
-    exhausted (nothing was sent then)."""
+    exhausted (nothing was sent then); on the renewals' connections (no socket time
+    limit: the caller's is the bound) when the lane's socket time limit would end the
+    exchange before WAIT does."""
+    limit = companion.settings.get("socket_timeout")
+    if limit is not None and limit < wait_ms / 1000 + _MARGIN:
+        return await exchange(companion.renewer(), packed, 2)
     try:
         return cast(list[object], await companion.lane.call(packed, None, 2))
     except MaxConnectionsError:
         return await exchange(companion.overflow(), packed, 2)
+
+
+_MARGIN = 0.5  # seconds beyond WAIT's own for the exchange around it
 
 
 async def _give_back(held: Lease) -> None:
