@@ -138,13 +138,23 @@ async def test_a_held_lease_follows_a_sentinel_failover(
         async with asynclock.lease(
             client, "job", ttl=6.0, prefix=prefix, on_event=on_event
         ) as lock:
-            # The replica has the lease (a write after it, then WAIT on that connection).
-            # (Not min_replicas=1: with one replica, the new primary has none to confirm
-            # renewals.)
+            # The client's wake-up subscription is made on the old primary (and stays open
+            # while the lease is held): it waits for a lock another client holds there.
+            other = await asynclock.acquire(old, "before", ttl=5.0, prefix=prefix)
+            waiting = asyncio.create_task(_take_and_release(client, "before", prefix))
+            async with asyncio.timeout(10):  # (another process's state)
+                while not (await old.pubsub_numsub(f"{prefix}{{before}}:released"))[0][1]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            await other.release()
+            async with asyncio.timeout(10):
+                await waiting
             wanted = 1  # (the renewals' connection reaches the old primary first)
             async with asyncio.timeout(10):
                 await two_more.wait()
             two_more.clear()
+            # The replica has the lease (a write after it, then WAIT on that connection).
+            # (Not min_replicas=1: with one replica, the new primary has none to confirm
+            # renewals.)
             await old.set(prefix + "probe", "1")
             assert await old.execute_command("WAIT", 1, 5000) == 1
             await deployment.manager.sentinels[0].execute_command("SENTINEL", "FAILOVER", SERVICE)
@@ -157,6 +167,19 @@ async def test_a_held_lease_follows_a_sentinel_failover(
             assert (await old.info("replication"))["role"] == "master"  # (never stepped down)
             # renewed there within the last renewal period (2 s) and a margin
             assert await new_primary.pttl(lock.key) > 3500
+            # The subscription followed too: a release on the new primary wakes the
+            # client's waiter long before the holder's TTL (30 s) would.
+            holder = await asynclock.acquire(new_primary, "after", ttl=30.0, prefix=prefix)
+            started = time.monotonic()
+            waiting = asyncio.create_task(_take_and_release(client, "after", prefix))
+            async with asyncio.timeout(10):  # (another process's state)
+                channel = f"{prefix}{{after}}:released"
+                while not (await new_primary.pubsub_numsub(channel))[0][1]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            await holder.release()
+            async with asyncio.timeout(10):
+                await waiting
+            assert time.monotonic() - started < 8.0
         assert lock.state is asynclock.LeaseState.RELEASED
         try:
             assert await keys_left(new_primary, prefix) == []
@@ -167,6 +190,11 @@ async def test_a_held_lease_follows_a_sentinel_failover(
             await old.execute_command("ACL", "SETUSER", "default", "+@all")
         await old.aclose()
         await client.aclose()
+
+
+async def _take_and_release(client: Redis, name: str, prefix: str) -> None:
+    async with asynclock.lease(client, name, ttl=5.0, prefix=prefix):
+        pass
 
 
 async def test_a_lease_the_new_primary_does_not_know_is_lost(

@@ -193,7 +193,8 @@ class Companion:
         return self._renewer
 
     async def _follow_primary(self, pool: SentinelConnectionPool, deadline: float) -> None:
-        await follow_primary(pool, deadline, self.lane, (self._renewer, self._overflow))
+        own = (self._renewer, self._overflow)
+        await follow_primary(pool, deadline, self.lane, own, self.room.connection)
 
     def overflow(self) -> Redis:
         """A small pool that waits for a free connection (created on first use, retries off).

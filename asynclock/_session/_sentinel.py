@@ -11,8 +11,9 @@ or, once the key there had expired, found not ours.
 
 So before each batch of renewals of a Sentinel client (one query per batch, every ttl/3,
 not one per lease), :func:`follow_primary` asks the sentinels where the primary is, and
-closes every connection of asynclock's own pools that still reaches another server: the
-renewal then connects to the primary the sentinels name. When the address changed, the
+closes every connection of asynclock's own pools (and the wake-up subscription) that
+still reaches another server: the renewal then connects to the primary the sentinels
+name, and the subscription reconnects there. When the address changed, the
 caller's pool's idle connections are closed too (redis-py's ``get_master_address`` does
 that), after the lane has given its connections back, so releases and acquires follow.
 The query gets at most half of the batch's time; if no sentinel answers in time, the
@@ -47,13 +48,18 @@ def sentinel_primary_pool(client: Redis) -> SentinelConnectionPool | None:
 
 
 async def follow_primary(
-    pool: SentinelConnectionPool, deadline: float, lane: Lane, own: Iterable[Redis | None]
+    pool: SentinelConnectionPool,
+    deadline: float,
+    lane: Lane,
+    own: Iterable[Redis | None],
+    subscription: Any = None,
 ) -> None:
     """Ask the sentinels of ``pool`` where the primary is (until loop time ``deadline``)
-    and close the connections of the ``own`` clients (asynclock's pools) that reach
-    another server; if the primary moved, give the ``lane``'s connections back and close
-    the caller's idle ones. Never raises but a cancellation: a sentinel that does not
-    answer leaves every connection as it is."""
+    and close the connections of the ``own`` clients (asynclock's pools), and the
+    waiting room's ``subscription``, that reach another server (the subscription
+    reconnects and subscribes again by itself); if the primary moved, give the
+    ``lane``'s connections back and close the caller's idle ones. Never raises but a
+    cancellation: a sentinel that does not answer leaves every connection as it is."""
     before = pool.master_address
     try:
         async with asyncio.timeout_at(deadline):
@@ -64,11 +70,13 @@ async def follow_primary(
     if before is not None and address != before:
         await lane.aclose()  # (its connections back, so that the next line closes them)
         await pool.disconnect(inuse_connections=False)
+    connections = [] if subscription is None else [subscription]
     for client in own:
         if client is not None:
-            for connection in pool_connections(client.connection_pool):
-                if _reaches_another(connection, address):
-                    await connection.disconnect(nowait=True)
+            connections += pool_connections(client.connection_pool)
+    for connection in connections:
+        if _reaches_another(connection, address):
+            await connection.disconnect(nowait=True)
 
 
 def _reaches_another(connection: Any, address: tuple[str, int]) -> bool:

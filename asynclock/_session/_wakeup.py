@@ -137,6 +137,11 @@ class WaitingRoom:
     def open(self) -> bool:
         return self._reader is not None or bool(self._background)
 
+    @property
+    def connection(self) -> Any:
+        """The subscription's connection (None before the first subscription)."""
+        return self._connection
+
     # -- local lines -------------------------------------------------------------------
 
     def join(self, channel: str, waiter: Waiter) -> Waiter:
