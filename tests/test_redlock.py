@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import asynclock
 from asynclock import AcquireTimeout, LeaseEventKind, LockBusy, LockLost, LossReason
@@ -222,4 +225,39 @@ async def test_counted_once_by_the_process_hooks_and_not_reentrant(
     with pytest.raises(RuntimeError, match="released"):
         async with lock.guard():
             pass
+    assert await _keys(first, prefix) == []
+
+
+async def test_a_blocking_redlock_keeps_its_timeout_and_does_not_wait_for_nothing(
+    servers: list[RedisServer], first: list[Redis], prefix: str
+) -> None:
+    """Two servers stopped and a 30 s TTL: a blocking attempt with blocking_timeout=0.5
+    times out near 0.5 s (a round of attempts would take ttl/3 = 10 s), reported as an
+    acquire_failed event (timeout). With every server unreachable it raises the
+    connection error at once (as a single server's lease does) instead of waiting out
+    its timeout."""
+    events: list[asynclock.LeaseEvent] = []
+    servers[1].pause()
+    servers[2].pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(AcquireTimeout):
+            await asynclock.acquire(
+                first, "slow", ttl=30.0, blocking_timeout=0.5, prefix=prefix, on_event=events.append
+            )
+        assert time.monotonic() - started < 3.0
+        assert [(e.kind, e.detail) for e in events] == [(LeaseEventKind.ACQUIRE_FAILED, "timeout")]
+    finally:
+        servers[1].resume()
+        servers[2].resume()
+    # (nothing listens; no retries of redis-py's, which would outlast a round)
+    nowhere = [Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0)) for _ in range(3)]
+    try:
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError):
+            await asynclock.acquire(nowhere, "x", blocking_timeout=20.0, prefix=prefix)
+        assert time.monotonic() - started < 5.0
+    finally:
+        for client in nowhere:
+            await client.aclose()
     assert await _keys(first, prefix) == []

@@ -281,8 +281,10 @@ async def acquire_redlock(
 
     Raises:
         LockBusy: not blocking, and fewer than a majority granted the lock.
-        AcquireTimeout: blocking, and ``blocking_timeout`` passed first.
-        redis.exceptions.RedisError: not blocking, and no server could be reached.
+        AcquireTimeout: blocking, and ``blocking_timeout`` passed first (each round of
+            attempts ends by then, 50 ms at the least).
+        redis.exceptions.RedisError: no server could be reached in a round (blocking or
+            not: waiting would wait for nothing).
     """
     first = options[0]
     blocking, timeout = first.redlock_blocking
@@ -295,7 +297,10 @@ async def acquire_redlock(
             companion_for(server).check_not_holding(first.base_key, first.name)
     while True:
         lock = RedlockLease(first.name, first.ttl, [], quorum, len(servers), hook)
-        leases, errors = await _take_all(servers, options, lock, first.ttl / 3)
+        limit = first.ttl / 3
+        if deadline is not None:
+            limit = min(limit, max(deadline - loop.time(), _SHORTEST_ROUND))
+        leases, errors = await _take_all(servers, options, lock, limit)
         if len(leases) >= quorum:
             lock._leases = leases
             if lock.safe_until - loop.time() >= first.ttl / 3:
@@ -312,14 +317,26 @@ async def acquire_redlock(
                 emit(hook, event)
                 return lock
         await _release_all(leases)
+        if errors and len(errors) == len(servers):
+            raise errors[0]
         if not blocking:
-            if errors and len(errors) == len(servers):
-                raise errors[0]
+            _report_failed(hook, first.name, "busy", loop.time() - t_call)
             raise LockBusy(first.name)
         pause = random.uniform(0, min(_RETRY_PAUSE, first.ttl / 3))
         if deadline is not None and deadline - loop.time() <= pause:
+            _report_failed(hook, first.name, "timeout", loop.time() - t_call)
             raise AcquireTimeout(first.name, timeout or 0.0, "no majority of the servers")
         await asyncio.sleep(pause)
+
+
+_SHORTEST_ROUND = 0.05  # seconds: a round of attempts near the blocking_timeout
+
+
+def _report_failed(hook: EventHook | None, name: str, why: str, waited: float) -> None:
+    """The ``acquire_failed`` event of the Redlock as a whole (``busy``, ``timeout``)."""
+    now = asyncio.get_running_loop().time()
+    failed = LeaseEventKind.ACQUIRE_FAILED
+    emit(hook, LeaseEvent(failed, name, 0, now, 0.0, why, waited))
 
 
 async def _take_all(
