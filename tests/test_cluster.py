@@ -125,6 +125,29 @@ async def test_leases_of_every_kind_on_a_cluster(
         await other.aclose()
 
 
+async def test_a_release_halfway_through_a_migration_deletes_the_key(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """Released while its slot is halfway through a migration (the lease already renewed
+    on the target, after ASKING): the release goes there with ASKING too and deletes the
+    key, rather than leaving it to expire by its TTL."""
+    key = f"{prefix}{{parting}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    renewals = _Renewals()
+    async with asynclock.lease(
+        cluster, "parting", ttl=1.5, prefix=prefix, on_event=renewals.on_event
+    ) as lock:
+        await renewals.more(1)
+        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+        await renewals.more(1)  # (ASK: moved to the target)
+    try:
+        assert lock.state is asynclock.LeaseState.RELEASED
+        assert await _pttl(target, key, asking=True) == -2
+    finally:
+        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+
+
 async def test_waiters_are_woken_by_sharded_pub_sub(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:

@@ -57,6 +57,8 @@ class Held(Protocol):
     def _state_active(self) -> bool: ...
 
     def _owner(self) -> str: ...
+    @property
+    def _asking(self) -> bool: ...  # (its slot migrates to its node: see _lease._moved)
     def _event(self, kind: LeaseEventKind, detail: str = "") -> None: ...
     def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
     def _end(self) -> None: ...
@@ -167,6 +169,7 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     limit = options.release_timeout
     deadline = companion.loop.time() + limit
     full = [held._owner(), *args, options.channel, companion.room.origin]
+    asking = held._asking
     runs = 0
 
     async def store() -> tuple[object, bool]:
@@ -174,15 +177,15 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
         runs += 1
         first = runs == 1
         try:
-            reply = await STORE(companion.lane, keys, full, deadline)
+            reply = await STORE(companion.lane, keys, full, deadline, asking=asking)
         except MaxConnectionsError:  # the caller's pool is full: nothing was sent
             async with asyncio.timeout_at(deadline):
-                reply = await STORE(companion.overflow(), keys, full)
+                reply = await STORE(companion.overflow(), keys, full, asking=asking)
         except UNKNOWN_OUTCOME as exc:
             log.debug("asynclock: storing the result of %r failed (%r), retrying", held.name, exc)
             first = False
             async with asyncio.timeout_at(deadline):
-                reply = await STORE(companion.overflow(), keys, full)
+                reply = await STORE(companion.overflow(), keys, full, asking=asking)
         return reply, first
 
     try:
@@ -244,6 +247,7 @@ async def _send_release(
     ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted.
     """
     companion = held._companion
+    asking = held._asking
     options = held._options
     room = companion.room
     script: Script
@@ -284,17 +288,17 @@ async def _send_release(
             "1" if listening else "",
         ]
     try:
-        reply = await script(companion.lane, keys, args, deadline)
+        reply = await script(companion.lane, keys, args, deadline, asking=asking)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
         async with asyncio.timeout_at(deadline):
-            reply = await script(companion.overflow(), keys, args)
+            reply = await script(companion.overflow(), keys, args, asking=asking)
     except UNKNOWN_OUTCOME as exc:
         log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
         first = False
         if successor is not None:  # the first run may have registered us as waiting
             room.set_registered(options.channel, True)
         async with asyncio.timeout_at(deadline):
-            reply = await script(companion.overflow(), keys, args)
+            reply = await script(companion.overflow(), keys, args, asking=asking)
     if successor is None:
         if reply == 1:
             return _Outcome.RELEASED

@@ -25,9 +25,10 @@ When the slot map changes (a migration, a failover), an acquire refused with ``M
 slot now (see ``_lifecycle._take``). A held lease follows its slot: a renewal answered
 ``MOVED`` or ``ASK`` moves the lease to the node named in the answer (:func:`node_at`,
 no round trip, made from the cluster's node settings if the map does not know it yet),
-where it is renewed at once, with ``ASKING`` while the slot is still migrating (see
-``_lifecycle._lease``). ``MIGRATE`` moves a key whole, expiry included, so the lease is
-never without its key, and renewals refused on the way only count as failed ones.
+where it is renewed at once, with ``ASKING`` while the slot is still migrating (and
+released so: see ``_lifecycle._lease``). ``MIGRATE`` moves a key whole, expiry
+included, so the lease is never without its key, and renewals refused on the way only
+count as failed ones.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ __all__ = [
     "ABANDON",
     "ACQUIRE",
     "ACQUIRE_JOB",
+    "ASKING",
     "FAIR_ACQUIRE",
     "FAIR_LEAVE",
     "HANDOFF",
@@ -151,9 +152,12 @@ class Script:
         keys: Sequence[str],
         args: Sequence[Arg],
         deadline: float | None = None,
+        *,
+        asking: bool = False,
     ) -> object:
         """Run the script on a client or a client's lane (one round trip, two after a
-        NOSCRIPT). Every exchange ends by ``deadline`` (loop time), if given.
+        NOSCRIPT). Every exchange ends by ``deadline`` (loop time), if given. ``asking``:
+        send ``ASKING`` before it (on a cluster node importing the lock's slot).
 
         Raises the server's error reply (``ResponseError`` and its subclasses), or the
         connection error, timeout or cancellation that interrupted the exchange.
@@ -165,10 +169,10 @@ class Script:
             encoding, sharded = encoding_of(target), is_sharded(target)
         script = self.sharded if sharded else self
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-        reply = await _send(target, pack(command, *encoding), deadline)
+        reply = await _send(target, pack(command, *encoding), deadline, asking)
         if isinstance(reply, NoScriptError):
             command = ("EVAL", script.source, len(keys), *keys, *args)
-            reply = await _send(target, pack(command, *encoding), deadline)
+            reply = await _send(target, pack(command, *encoding), deadline, asking)
         if isinstance(reply, BaseException):
             if isinstance(reply, ResponseError) and str(reply).startswith(_UNAUTHENTICATED):
                 # (the server refuses a long command before AUTH, and says only this)
@@ -179,16 +183,25 @@ class Script:
         return reply
 
 
-async def _send(target: Redis | Lane, packed: bytes, deadline: float | None) -> object:
+async def _send(
+    target: Redis | Lane, packed: bytes, deadline: float | None, asking: bool = False
+) -> object:
+    if asking:  # (ASKING's own reply is OK: the script's is the last)
+        packed = ASKING + packed
+    count = 2 if asking else 1
     # (isinstance against Redis is slow: redis-py's client classes derive from a Protocol)
     if isinstance(target, Lane):
-        return await target.call(packed, deadline)
+        reply = await target.call(packed, deadline, count)
+        return cast(list[object], reply)[-1] if asking else reply
     if deadline is not None:
         async with asyncio.timeout_at(deadline):
-            (reply,) = await exchange(target, packed, 1)
-        return reply
-    (reply,) = await exchange(target, packed, 1)
-    return reply
+            replies = await exchange(target, packed, count)
+        return replies[-1]
+    return (await exchange(target, packed, count))[-1]
+
+
+ASKING: Final = pack(("ASKING",), "utf-8", "strict")
+"""``ASKING`` in RESP: the next command may touch a key of a slot the node imports."""
 
 
 async def run_idempotent(

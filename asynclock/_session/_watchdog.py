@@ -51,7 +51,7 @@ from .._base._exceptions import LossReason, ReplicationTimeout
 from .._base._options import LeaseOptions
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
-from .._redis._scripts import Script, pack
+from .._redis._scripts import ASKING, Script, pack
 
 __all__ = ["Watchdog", "Watched", "report_stall"]
 
@@ -59,7 +59,6 @@ log = logging.getLogger("asynclock")
 
 _WINDOW: Final = 0.05  # seconds (at most ttl/30): renewals due this close travel together
 _BATCH: Final = 1000  # most renewals in one pipeline
-_ASKING: Final = pack(("ASKING",), "utf-8", "strict")
 
 
 class Watched(Protocol):
@@ -288,7 +287,7 @@ class Watchdog:
         for i, lease in enumerate(batch):  # (each lease's kind says how it is renewed)
             if lease._asking:
                 asked.append(i + len(asked))  # (after i renewals and the ASKINGs before)
-                parts.append(_ASKING)
+                parts.append(ASKING)
             parts += (lease._renew_head, lease._renew_tail())
         count = len(batch) + len(asked)
         wanted = max(lease._options.min_replicas for lease in batch)
