@@ -8,7 +8,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from ._run import ChaosConfig, new_seed, print_schedule, run
+from ._run import FAILOVERS, ChaosConfig, new_seed, print_schedule, run
 
 
 def _seconds(text: str) -> float:
@@ -91,6 +91,29 @@ def _parser() -> argparse.ArgumentParser:
         "unpaused holders at once (default 1: mutexes)",
     )
     parser.add_argument(
+        "--failover",
+        action="store_true",
+        help="the failover mode: a primary and a replica; the only fault is a failover "
+        "(SIGKILL of the primary right after a grant, the replica promoted, the workers' "
+        "proxies repointed, a new replica started); leases use --min-replicas",
+    )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the leases' min_replicas in the failover mode (default 1; 0 shows the double "
+        "grant a failover causes without it)",
+    )
+    parser.add_argument(
+        "--failovers",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"failovers the failover mode schedules (default {FAILOVERS}; fewer when the "
+        "run is too short: each needs about 4.6 TTLs)",
+    )
+    parser.add_argument(
         "--print-schedule",
         action="store_true",
         help="print the faults the seed schedules, and exit without running",
@@ -118,6 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--seconds must be at most a day")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         parser.error("--seed must be between 0 and 2**63 - 1")
+    if not args.failover and (args.min_replicas is not None or args.failovers is not None):
+        parser.error("--min-replicas and --failovers need --failover")
+    min_replicas = 1 if args.min_replicas is None else args.min_replicas
+    if not 0 <= min_replicas <= 1:
+        parser.error("--min-replicas must be 0 or 1 (the run has one replica)")
+    failovers = FAILOVERS if args.failovers is None else args.failovers
+    if not 1 <= failovers <= 100:
+        parser.error("--failovers must be between 1 and 100")
     config = ChaosConfig(
         seed=new_seed() if args.seed is None else args.seed,
         workers=args.workers,
@@ -130,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sabotage=args.sabotage,
         detached=args.detached,
         limit=args.limit,
+        failover=args.failover,
+        min_replicas=min_replicas if args.failover else 0,
+        failovers=failovers,
     )
     if args.print_schedule:
         print_schedule(config)

@@ -43,6 +43,25 @@ Durations and amounts are in multiples of the TTL, so the schedule scales with i
   in the shared history for every contender (holder id) of the process, since all of them
   are stopped.
 
+The failover mode (:func:`make_failover_schedule`) schedules one kind alone, a fixed
+number of times at seeded moments, each one healed (a new replica synced) before the next:
+
+* ``failover``: the primary dies (``SIGKILL``) right after a grant, its replica is
+  promoted (``REPLICAOF NO ONE``) and the workers' proxies are repointed at it, so their
+  URL stays the same; then a fresh replica of the new primary is started and synced. The
+  nemesis waits (up to 1.5 TTLs) for a worker to report a grant, then 0-0.05 TTL more,
+  then kills. ``synced``: replication runs as usual until the kill. ``lagging``: the
+  replication link is held from the start of the fault (see ``_replication``), so a grant
+  answered in the meantime never reaches the replica, as after a moment of replication
+  lag: without ``min_replicas`` the promoted replica grants that lock again; with it, no
+  acquisition is confirmed while the link is held (each is given back and
+  ``ReplicationTimeout`` raised), so the wait for a grant runs out and the kill follows
+  an acquisition attempt instead. Scope ``holder`` (two thirds of them): the worker that was
+  seen granted is cut off (its proxy drops everything) from the kill until 1.5 TTLs
+  later, as a client on the old primary's side of a partition, so it cannot learn that
+  its lease is gone before its own deadline; scope ``all``: every worker reaches the new
+  primary at once, and a holder's next renewal there finds out (within a third of a TTL).
+
 ``flush`` and ``restart`` are *data-loss* faults: the lease of a holder can be gone
 before the holder can know it, so its guarded work may overlap the next holder's until
 its next renewal; the checks excuse exactly that (see ``_summary``).
@@ -66,14 +85,18 @@ from typing import Final, NamedTuple
 
 from asynclock.testing import Direction, FaultProxy, History, ProxyMode, RedisServer
 
+from ._replication import Replication
+
 __all__ = [
     "DATA_LOSS",
     "NETWORK",
+    "ORDINARY",
     "Fault",
     "FaultKind",
     "Injection",
     "Nemesis",
     "Target",
+    "make_failover_schedule",
     "make_schedule",
 ]
 
@@ -89,10 +112,15 @@ class FaultKind(enum.StrEnum):
     FLUSH = "flush"
     RESTART = "restart"
     HOLDER_STOP = "holder_stop"
+    FAILOVER = "failover"
 
     def __str__(self) -> str:
         return self.value
 
+
+ORDINARY: Final = tuple(kind for kind in FaultKind if kind is not FaultKind.FAILOVER)
+"""The kinds of the ordinary run, in the order its schedule's bag is filled (so adding
+``failover``, which only the failover mode schedules, left every seed's schedule as it was)."""
 
 DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART})
 """Faults after which the server no longer has the keys it had."""
@@ -106,6 +134,12 @@ _GAP: Final = (1.0, 2.0)  # TTLs between one fault's end and the next one's star
 _HOLDER_STOP: Final = 2.5  # TTLs a holder stays stopped
 _HOLDER_WAIT: Final = 1.0  # TTLs to wait for some worker to hold a lock (then: skip/any)
 _HOLDER_SCOPE: Final = 0.6  # share of network faults that hit one holder only
+_GRANT_WAIT: Final = 1.5  # TTLs a failover waits for a grant before it kills all the same
+_AFTER_GRANT: Final = (0.0, 0.05)  # TTLs from the grant seen to the primary's SIGKILL
+_FAILOVER_CALM: Final = 3.0  # TTLs after a failover's kill: its heal, then calm
+_LAGGING: Final = 2 / 3  # share of failovers whose replica lags (link held) before the kill
+_CUT_OFF: Final = 1.5  # TTLs the grantee stays cut off after the kill (scope "holder")
+_CUT_OFF_SHARE: Final = 2 / 3  # share of failovers that cut the grantee off
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,10 +154,14 @@ class Fault:
         duration: seconds the fault lasts before it is healed (0 for instant faults).
         amount: a kind-specific figure in seconds or a fraction: the one-way delay
             (``delay``), the refusal window (``reset``), the fraction of connections
-            killed (``client_kill``), the time the server stays down (``restart``).
+            killed (``client_kill``), the time the server stays down (``restart``), the
+            seconds from the grant seen to the primary's ``SIGKILL`` (``failover``, whose
+            ``duration`` is the most it waits before that ``SIGKILL``).
         pick: a number in [0, 1) choosing a target among the candidates found at run time.
         scope: for network faults (``delay``, ``blackhole``, ``reset``), ``"all"`` the
-            proxies or the one of a ``"holder"``; empty for the other kinds.
+            proxies or the one of a ``"holder"``; for ``failover``, ``"holder"`` when the
+            worker seen granted is cut off after the kill, else ``"all"``; empty for the
+            other kinds.
     """
 
     index: int
@@ -156,7 +194,13 @@ class Fault:
             text += f" ({self.amount:.0%} of the connections, pick {self.pick:.3f})"
         elif self.kind is FaultKind.RESTART:
             text += f" (down {self.amount:.2f}s)"
-        if self.kind is FaultKind.HOLDER_STOP or self.scope == "holder":
+        elif self.kind is FaultKind.FAILOVER:
+            text = f"#{self.index} at {self.at:.2f}s {what} on {self.scope}"
+            text += f" (SIGKILL {self.amount:.3f}s after a grant, waiting up to "
+            text += f"{self.duration - self.amount:.2f}s for one)"
+        if self.kind is FaultKind.HOLDER_STOP or (
+            self.scope == "holder" and self.kind is not FaultKind.FAILOVER
+        ):
             text += f" (pick {self.pick:.3f})"
         return text
 
@@ -237,13 +281,49 @@ def make_schedule(seed: int, seconds: float, ttl: float) -> tuple[Fault, ...]:
     bag: list[FaultKind] = []
     while True:
         if not bag:
-            bag = list(FaultKind)
+            bag = list(ORDINARY)
             rng.shuffle(bag)
         fault = _draw(rng, len(faults), at, bag.pop(), ttl)
         if fault.end > end:
             return tuple(faults)
         faults.append(fault)
         at = fault.end + rng.uniform(*_GAP) * ttl
+
+
+def make_failover_schedule(seed: int, seconds: float, ttl: float, count: int) -> tuple[Fault, ...]:
+    """The failovers of a failover-mode run of ``seconds`` with leases of ``ttl`` seconds.
+
+    Deterministic in its arguments (``random.Random(seed)``). The time between the
+    warm-up (2 TTLs) and the calm at the end (1.5 TTLs) is cut into ``count`` equal slots
+    (fewer when a slot would be shorter than a failover needs: its wait for a grant, plus
+    3 TTLs to heal and calm down), and each slot gets one failover at a seeded moment, so
+    that it has ended, as scheduled, 3 TTLs before the next slot begins.
+
+    Raises:
+        ValueError: ``seconds`` or ``ttl`` is not a positive finite number, or ``count``
+            is below 1.
+    """
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(ttl) and ttl > 0):
+        raise ValueError(f"seconds and ttl must be positive, got {seconds!r} and {ttl!r}")
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count!r}")
+    rng = random.Random(seed)
+    start = _WARMUP * ttl
+    span = seconds - _COOLDOWN * ttl - start
+    need = (_GRANT_WAIT + _AFTER_GRANT[1] + _FAILOVER_CALM) * ttl
+    fits = math.floor(span / need) if span > 0 else 0
+    slots = min(count, fits)
+    faults: list[Fault] = []
+    for index in range(slots):
+        slot = span / slots
+        variant = "lagging" if rng.random() < _LAGGING else "synced"
+        amount = rng.uniform(*_AFTER_GRANT) * ttl
+        duration = _GRANT_WAIT * ttl + amount
+        at = start + index * slot + rng.uniform(0.0, slot - need)
+        scope = "holder" if rng.random() < _CUT_OFF_SHARE else "all"
+        pick = rng.random()
+        faults.append(Fault(index, at, FaultKind.FAILOVER, variant, duration, amount, pick, scope))
+    return tuple(faults)
 
 
 # --------------------------------------------------------------------------------------
@@ -271,6 +351,16 @@ class Injection:
     outcome: str = "done"
     resumed: float | None = None
     """For ``holder_stop``: ``time.monotonic()`` just before the ``SIGCONT`` was sent."""
+    killed: float | None = None
+    """For ``failover``: ``time.monotonic()`` just before the primary's ``SIGKILL``."""
+    killed_wall: float | None = None
+    promoted: float | None = None
+    """For ``failover``: ``time.monotonic()`` once the workers' proxies led to the
+    promoted replica (the first moment a worker could reach the new primary)."""
+    promoted_wall: float | None = None
+    after_grant: bool = False
+    """For ``failover``: the kill followed a grant seen during the fault (else its wait
+    for one ran out)."""
 
     @property
     def done(self) -> bool:
@@ -289,6 +379,9 @@ class Injection:
             "target": self.target,
             "outcome": self.outcome,
             "resumed": self.resumed,
+            "killed": self.killed,
+            "promoted": self.promoted,
+            "after_grant": self.after_grant,
         }
 
 
@@ -311,6 +404,9 @@ class Target(NamedTuple):
 
 Holders = Callable[[], Sequence[Target]]
 """Returns the workers that hold a lock now (by their last report), sorted by name."""
+
+NextGrant = Callable[[], "asyncio.Future[tuple[str, str]]"]
+"""Returns a future set to ``(holder, lock)`` by the next grant a worker reports."""
 
 
 def _bulk_text(reply: bytes) -> str:
@@ -342,6 +438,9 @@ class Nemesis:
         holders: who holds a lock right now, for ``holder_stop`` and ``holder`` scopes.
         workers: every worker, for a ``holder`` scope when nobody holds a lock.
         ttl: the leases' TTL in seconds (to size waits).
+        replication: the failover mode's primary and replica (``server`` is then the
+            first primary; the nemesis aims at whichever is the primary now).
+        next_grant: for ``failover``, to wait for a grant before killing the primary.
 
     Every fault is healed before :meth:`inject` returns, also when it fails or is
     cancelled. :attr:`injections` lists what was done, in order.
@@ -355,8 +454,13 @@ class Nemesis:
         holders: Holders,
         workers: Sequence[Target],
         ttl: float,
+        *,
+        replication: Replication | None = None,
+        next_grant: NextGrant | None = None,
     ) -> None:
-        self._server = server
+        self._first_server = server
+        self._replication = replication
+        self._next_grant = next_grant
         self._proxies = tuple(proxies)
         self._history = history
         self._holders = holders
@@ -365,6 +469,13 @@ class Nemesis:
         self._stopped_pids: set[int] = set()
         self.injections: list[Injection] = []
         self._stop = asyncio.Event()
+
+    @property
+    def _server(self) -> RedisServer:
+        """The server the workers reach now (the primary, in the failover mode)."""
+        if self._replication is not None:
+            return self._replication.primary
+        return self._first_server
 
     def stop(self) -> None:
         """Make :meth:`run` return after the fault in progress (if any) is healed."""
@@ -423,6 +534,8 @@ class Nemesis:
             await self._restart(fault)
         elif kind is FaultKind.HOLDER_STOP:
             await self._holder_stop(fault, injection)
+        elif kind is FaultKind.FAILOVER:
+            await self._failover(fault, injection)
         else:  # pragma: no cover - every kind is handled above
             raise AssertionError(kind)
 
@@ -531,6 +644,66 @@ class Nemesis:
                 injection.resumed = time.monotonic()
                 self._continue(target.pid)
 
+    async def _failover(self, fault: Fault, injection: Injection) -> None:
+        replication = self._replication
+        if replication is None:
+            raise RuntimeError("a failover needs a primary with a replica (the failover mode)")
+        if replication.replica is None:  # (a previous heal failed)
+            await replication.add_replica()
+        if fault.variant == "lagging":
+            replication.hold_link()
+        grant = await self._grant_within(fault.duration - fault.amount)
+        injection.after_grant = grant is not None
+        cut_off: FaultProxy | None = None
+        if grant is None:
+            injection.target = "no grant seen"
+        else:
+            holder, lock = grant
+            injection.target = f"{holder} on {lock}"
+            worker = next((w for w in self._workers if holder in w.holders), None)
+            if fault.scope == "holder" and worker is not None:
+                cut_off = self._proxies[worker.slot]
+                injection.target += f", {worker.name} cut off"
+            await asyncio.sleep(fault.amount)
+        injection.killed, injection.killed_wall = time.monotonic(), time.time()
+        try:
+            if cut_off is not None:
+                cut_off.set_mode(ProxyMode.BLACKHOLE)
+            await replication.kill_primary()
+            await self._promote(replication, keep=cut_off)
+            injection.promoted, injection.promoted_wall = time.monotonic(), time.time()
+            await replication.add_replica()
+            if cut_off is not None:
+                await asyncio.sleep(
+                    max(0.0, injection.killed + _CUT_OFF * self._ttl - time.monotonic())
+                )
+        finally:
+            if cut_off is not None:
+                cut_off.set_mode(ProxyMode.PASS)
+                await cut_off.reset_all()
+
+    async def _grant_within(self, seconds: float) -> tuple[str, str] | None:
+        """The next grant a worker reports within ``seconds``: (holder, lock), or None."""
+        if self._next_grant is None:
+            return None
+        future = self._next_grant()
+        try:
+            async with asyncio.timeout(seconds):
+                return await future
+        except TimeoutError:
+            return None
+        finally:
+            future.cancel()
+
+    async def _promote(self, replication: Replication, keep: FaultProxy | None = None) -> None:
+        """Promote the replica if the primary is dead, and lead every proxy to the
+        primary; connections to the old one are reset, but for those of ``keep`` (a
+        proxy dropping everything: its worker learns nothing until it is healed)."""
+        primary = await replication.promote()
+        for proxy in self._proxies:
+            proxy.target_host, proxy.target_port = primary.host, primary.port
+        await asyncio.gather(*(p.reset_all() for p in self._proxies if p is not keep))
+
     def _continue(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -544,6 +717,12 @@ class Nemesis:
             proxy.refuse_new = False
         for pid in list(self._stopped_pids):
             self._continue(pid)
+        if self._replication is not None:
+            self._replication.link.set_mode(ProxyMode.PASS)
+            if not self._replication.primary.is_running:  # a failover cut short
+                await self._replication.link.reset_all()
+                await self._promote(self._replication)
+            return
         if self._server.is_paused:
             self._server.resume()
         if not self._server.is_running:

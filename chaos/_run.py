@@ -13,6 +13,12 @@ stops at the end of the run (the fault in progress is healed, not cut short), wo
 a few TTLs plus 10 s to stop before they are killed (a failure), and the whole run is
 cancelled cleanly by Ctrl-C or SIGTERM. Then every check runs over what was recorded
 (``_summary``).
+
+The failover mode (``failover=True``) runs a primary and a replica (``_replication``)
+instead of the one server, the workers' leases ask for ``min_replicas``, and the nemesis
+only fails over (kills the primary right after a grant it hears of, promotes the replica,
+repoints the proxies, starts a new replica); the reports' ``acquired`` messages feed its
+wait for a grant (:meth:`_Run.next_grant`).
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from asynclock.testing import (
     keys_left,
 )
 
-from ._nemesis import Nemesis, Target, make_schedule
+from ._nemesis import Fault, Nemesis, Target, make_failover_schedule, make_schedule
+from ._replication import Replication
 from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, of_limit, summarize
 from ._worker import WorkerConfig, counter_key, holder_name, slot_name
 
@@ -57,6 +64,7 @@ _PROGRESS_EVERY: Final = 60.0  # seconds between progress lines (runs of 2 minut
 _WORKER_CODE: Final = "import sys; from chaos._worker import main; sys.exit(main(sys.argv[1:]))"
 _ROOT: Final = str(Path(__file__).resolve().parents[1])  # workers import this very asynclock
 _DEFAULTS: Final = {"workers": 4, "tasks": 2, "seconds": 20.0, "locks": 3, "ttl": 0.8}
+FAILOVERS: Final = 4  # failovers a failover-mode run schedules unless told otherwise
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +90,11 @@ class ChaosConfig:
             permits, and each permit is checked as a slot of its own (no two unpaused
             holders, tokens in order, a fenced counter each), so no lock ever has more
             than ``limit`` unpaused holders.
+        failover: the failover mode: a primary and a replica, and the nemesis only fails
+            over (``failovers`` times, fewer if the run is too short).
+        min_replicas: the leases' ``min_replicas`` (failover mode only; 0 shows what a
+            failover does to leases no replica confirmed).
+        failovers: how many failovers the failover mode schedules.
     """
 
     seed: int
@@ -95,6 +108,15 @@ class ChaosConfig:
     sabotage: bool = False
     detached: float = 0.0
     limit: int = 1
+    failover: bool = False
+    min_replicas: int = 0
+    failovers: int = FAILOVERS
+
+    def schedule(self) -> tuple[Fault, ...]:
+        """The faults this run's seed schedules (failovers alone in the failover mode)."""
+        if self.failover:
+            return make_failover_schedule(self.seed, self.seconds, self.ttl, self.failovers)
+        return make_schedule(self.seed, self.seconds, self.ttl)
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -129,6 +151,10 @@ class ChaosConfig:
             parts.append(f"--detached {self.detached!r}")
         if self.limit != 1:
             parts.append(f"--limit {self.limit}")
+        if self.failover:
+            parts.append(f"--failover --min-replicas {self.min_replicas}")
+            if self.failovers != FAILOVERS:
+                parts.append(f"--failovers {self.failovers}")
         return " ".join(parts)
 
 
@@ -164,9 +190,12 @@ class _Run:
         proxies: Sequence[FaultProxy],
         workdir: Path,
         log: TextIO,
+        replication: Replication | None = None,
     ) -> None:
         self.config = config
         self.server = server
+        self.replication = replication
+        self._grant_waiters: list[asyncio.Future[tuple[str, str]]] = []
         self.proxies = tuple(proxies)
         self.workdir = workdir
         self.log = log
@@ -175,7 +204,7 @@ class _Run:
         self.history = History(self.history_path)
         self.workers: list[_Worker] = []
         self.rounds: list[RoundReport] = []
-        self.schedule = make_schedule(config.seed, config.seconds, config.ttl)
+        self.schedule = config.schedule()
         self.nemesis: Nemesis | None = None
 
     def holders(self) -> list[Target]:
@@ -185,6 +214,19 @@ class _Run:
             for index, w in enumerate(self.workers)
             if w.holding and w.proc.returncode is None
         ]
+
+    def next_grant(self) -> asyncio.Future[tuple[str, str]]:
+        """A future set to ``(holder, lock)`` by the next ``acquired`` report (for the
+        nemesis's failover, which kills the primary right after a grant)."""
+        future: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+        self._grant_waiters.append(future)
+        return future
+
+    def _granted(self, holder: str, lock: str) -> None:
+        waiters, self._grant_waiters = self._grant_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result((holder, lock))
 
     # -- workers ------------------------------------------------------------------------
 
@@ -205,6 +247,7 @@ class _Run:
             sabotage=config.sabotage,
             detached=config.detached,
             limit=config.limit,
+            min_replicas=config.min_replicas,
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -242,6 +285,7 @@ class _Run:
             elif kind == "acquired":
                 holder = str(message.get("holder", worker.name))
                 worker.holding[holder] = (str(message["lock"]), int(message["fence"]))
+                self._granted(holder, str(message["lock"]))
             elif kind == "round":
                 worker.holding.pop(str(message.get("holder", worker.name)), None)
                 self.rounds.append(RoundReport.from_message(worker.name, message))
@@ -339,7 +383,14 @@ class _Run:
                     Target(w.name, w.proc.pid, i, w.holders) for i, w in enumerate(self.workers)
                 ]
                 self.nemesis = injector = Nemesis(
-                    self.server, self.proxies, self.history, self.holders, targets, config.ttl
+                    self.server,
+                    self.proxies,
+                    self.history,
+                    self.holders,
+                    targets,
+                    config.ttl,
+                    replication=self.replication,
+                    next_grant=self.next_grant,
                 )
                 t0 = time.monotonic()
                 until = t0 + config.seconds
@@ -389,6 +440,11 @@ class _Run:
                 wall_seconds=time.monotonic() - started,
                 replay=config.replay(),
                 limit=config.limit,
+                failover=config.failover,
+                min_replicas=config.min_replicas,
+                replicas_started=(
+                    self.replication.replicas_started if self.replication is not None else 0
+                ),
             )
         finally:
             store.close()
@@ -405,7 +461,8 @@ class _Run:
                 file.write(json.dumps(dataclasses.asdict(report)) + "\n")
 
     async def _keys_left(self) -> list[str]:
-        client = Redis.from_url(self.server.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        server = self.replication.primary if self.replication is not None else self.server
+        client = Redis.from_url(server.url, socket_timeout=5.0, socket_connect_timeout=5.0)
         try:
             return await keys_left(client)
         finally:
@@ -424,21 +481,27 @@ async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Sum
     """
     log = sys.stderr if log is None else log
     workdir = Path(tempfile.mkdtemp(prefix="asynclock-chaos-"))
-    server = RedisServer(config.engine)
+    server: RedisServer | None = None
     passed = False
     try:
-        await asyncio.to_thread(server.start)
         async with contextlib.AsyncExitStack() as stack:
+            replication: Replication | None = None
+            if config.failover:  # a primary and a replica, synced before any worker runs
+                replication = await stack.enter_async_context(Replication(config.engine))
+                server = replication.primary
+            else:
+                server = RedisServer(config.engine)
+                stack.push_async_callback(asyncio.to_thread, server.stop)
+                await asyncio.to_thread(server.start)
             proxies = [
                 await stack.enter_async_context(FaultProxy(server.host, server.port))
                 for _ in range(config.workers)
             ]
-            record = await _Run(config, server, proxies, workdir, log).run()
+            record = await _Run(config, server, proxies, workdir, log, replication).run()
         summary = summarize(record)
         passed = summary.ok
         return summary, workdir
     finally:
-        await asyncio.to_thread(server.stop)
         if passed and not config.keep:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -468,11 +531,12 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
     the run could not be carried out, 130 when interrupted.
     """
     out = sys.stdout if out is None else out
-    schedule = make_schedule(config.seed, config.seconds, config.ttl)
+    schedule = config.schedule()
+    mode = f", failover mode with min_replicas {config.min_replicas}" if config.failover else ""
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "
-        f"{config.seconds:g} s, "
+        f"{config.seconds:g} s{mode}, "
         f"{len(schedule)} faults scheduled (replay: {config.replay()})",
         file=out,
         flush=True,
@@ -502,5 +566,5 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
 def print_schedule(config: ChaosConfig, out: TextIO | None = None) -> None:
     """Print the faults ``config``'s seed schedules, one per line."""
     out = sys.stdout if out is None else out
-    for fault in make_schedule(config.seed, config.seconds, config.ttl):
+    for fault in config.schedule():
         print(fault.describe(), file=out)

@@ -19,6 +19,14 @@ Definitions (also in ``docs/chaos.md``):
   microseconds, read as a wall-clock time) before the fault ended and was still guarding
   when it began, and ``second`` was granted after the fault began. When a token does not
   look like a timestamp, the guard's start minus a TTL stands in for the grant time.
+* In the failover mode, an overlap of two intervals that are not paused is a *double
+  grant across a failover* if there is a failover such that ``first`` was granted before
+  the workers could reach the promoted replica and was still guarding when the primary
+  was killed, and ``second`` was granted after that kill (the same test as for a data
+  loss, on the window from the ``SIGKILL`` to the proxies' repointing). With
+  ``min_replicas`` 1 or more every such pair fails the run; with 0 they are counted and
+  reported, as what ``min_replicas`` exists to prevent (and a failover then also
+  explains a ``not_owner`` loss, as a data loss does).
 * Every other overlap is among holders that were not paused and must not happen.
 * Detection latency, ``deadline``: for ``LockLost(deadline)`` of an interval that was not
   paused, from the lease's safe deadline to the guarded body having stopped (the guard's
@@ -63,7 +71,7 @@ from asynclock.testing import (
     measure_overlap,
 )
 
-from ._nemesis import Fault, FaultKind, Injection
+from ._nemesis import ORDINARY, Fault, FaultKind, Injection
 
 __all__ = [
     "DataLoss",
@@ -73,6 +81,7 @@ __all__ = [
     "Summary",
     "WorkerOutcome",
     "classify_overlaps",
+    "failover_windows",
     "local_handoffs",
     "percentile",
     "summarize",
@@ -100,7 +109,8 @@ class RoundReport:
     lock: str
     fence: int | None
     outcome: str
-    """``released``, ``lost``, ``timeout``, ``error``, ``unexpected`` or ``cancelled``."""
+    """``released``, ``lost``, ``timeout``, ``unconfirmed`` (``ReplicationTimeout``: too
+    few replicas confirmed the acquisition), ``error``, ``unexpected`` or ``cancelled``."""
     reason: str | None
     error: str | None
     body_start: float | None
@@ -195,6 +205,13 @@ class RunRecord:
     limit: int = 1
     """Permits per lock (the semaphore mode above 1); ``locks`` then lists the permits'
     slots (``lock-0#2``)."""
+    failover: bool = False
+    """The failover mode: a primary and its replica, and failovers as the only fault."""
+    min_replicas: int = 0
+    """The leases' ``min_replicas``."""
+    replicas_started: int = 0
+    """Replicas started in the failover mode (the first one, then one after each
+    failover)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -214,6 +231,22 @@ class DataLoss:
     @classmethod
     def of(cls, injection: Injection) -> DataLoss:
         return cls(injection.start, injection.end, injection.start_wall, injection.end_wall)
+
+
+def failover_windows(injections: Iterable[Injection]) -> list[DataLoss]:
+    """For each failover carried out as far as the promotion, the window from just
+    before the primary's ``SIGKILL`` to the workers' proxies leading to the promoted
+    replica (monotonic and wall-clock seconds), in time order."""
+    windows = [
+        DataLoss(i.killed, i.promoted, i.killed_wall, i.promoted_wall)
+        for i in injections
+        if i.fault.kind is FaultKind.FAILOVER
+        and i.killed is not None
+        and i.promoted is not None
+        and i.killed_wall is not None
+        and i.promoted_wall is not None
+    ]
+    return sorted(windows, key=lambda w: w.start)
 
 
 def token_time(fencing_token: int, now_wall: float | None = None) -> float | None:
@@ -272,6 +305,8 @@ class OverlapClasses:
     """Not explained: must be empty."""
     after_data_loss: tuple[Overlap, ...]
     paused: tuple[Overlap, ...]
+    across_failover: tuple[Overlap, ...] = ()
+    """Double grants across a failover (see the module documentation)."""
 
 
 def classify_overlaps(
@@ -280,8 +315,10 @@ def classify_overlaps(
     data_losses: Sequence[DataLoss],
     ttl: float,
     now_wall: float | None = None,
+    failovers: Sequence[DataLoss] = (),
 ) -> OverlapClasses:
-    """Split every overlapping pair of intervals into paused / after data loss / neither.
+    """Split every overlapping pair of intervals into paused / after data loss / across
+    a failover (windows from :func:`failover_windows`) / none of these.
 
     See the module documentation for the definitions; ``now_wall`` (default: now) is only
     used to tell whether fencing tokens look like timestamps.
@@ -291,15 +328,18 @@ def classify_overlaps(
     unpaused: list[Overlap] = []
     after_loss: list[Overlap] = []
     paused: list[Overlap] = []
+    across: list[Overlap] = []
     for overlap in measure_overlap(intervals, include_paused=True).overlaps:
         first, second = overlap.first, overlap.second
         if pause_of(first, by_holder, ttl) or pause_of(second, by_holder, ttl):
             paused.append(overlap)
         elif _excused_by(first, second, data_losses, ttl, now):
             after_loss.append(overlap)
+        elif _excused_by(first, second, failovers, ttl, now):
+            across.append(overlap)
         else:
             unpaused.append(overlap)
-    return OverlapClasses(tuple(unpaused), tuple(after_loss), tuple(paused))
+    return OverlapClasses(tuple(unpaused), tuple(after_loss), tuple(paused), tuple(across))
 
 
 def of_limit(limit: int) -> str:
@@ -533,6 +573,11 @@ def summarize(record: RunRecord) -> Summary:
         details.extend(errors[:_SHOWN])
     windows = [DataLoss.of(i) for i in record.injections if i.data_loss]
     windows.sort(key=lambda w: w.start)
+    failovers = failover_windows(record.injections)
+    # What may explain a not_owner loss: a data loss, and, without min_replicas, a
+    # failover (the promoted replica may have missed the grant or a renewal); with
+    # min_replicas, a failover must not take a confirmed lease away.
+    explaining = sorted(windows + (failovers if not record.min_replicas else []), key=_start)
 
     # -- acquisitions and errors -------------------------------------------------------
     acquired = [r for r in record.rounds if r.body_start is not None]
@@ -551,12 +596,20 @@ def summarize(record: RunRecord) -> Summary:
         failures.append("no worker ever acquired a lock")
 
     # -- overlap -------------------------------------------------------------------------
-    classes = classify_overlaps(record.intervals, record.pauses, windows, ttl, now_wall)
+    classes = classify_overlaps(
+        record.intervals, record.pauses, windows, ttl, now_wall, failovers=failovers
+    )
     if classes.unpaused:
         failures.append(
             f"{len(classes.unpaused)} overlapping pair(s) of holders that were not paused"
         )
         details.extend(str(o) for o in classes.unpaused[:_SHOWN])
+    if classes.across_failover and record.min_replicas:
+        failures.append(
+            f"{len(classes.across_failover)} double grant(s) across a failover with "
+            f"min_replicas={record.min_replicas}"
+        )
+        details.extend(str(o) for o in classes.across_failover[:_SHOWN])
     by_holder = _pauses_by_holder(record.pauses)
     steady = [i for i in record.intervals if pause_of(i, by_holder, ttl) is None]
     fencing: list[FencingViolation] = check_fencing(steady)
@@ -567,6 +620,8 @@ def summarize(record: RunRecord) -> Summary:
     # the limit that does not rely on the permits' slots, leaving out the paused holders
     # and the later holder of each overlap a data loss explains.
     excused = {id(o.second) for o in classes.after_data_loss}
+    if not record.min_replicas:  # (reported as double grants across a failover)
+        excused |= {id(o.second) for o in classes.across_failover}
     at_once = most_at_once(i for i in steady if id(i) not in excused)
     over = {lock: n for lock, n in at_once.items() if n > record.limit}
     if over:
@@ -606,8 +661,8 @@ def summarize(record: RunRecord) -> Summary:
         warnings.update(outcome.stats.get("warnings", {}))
 
     # -- latency --------------------------------------------------------------------------
-    latency = _latencies(record, windows, now_wall)
-    at_release = _release_losses(record, windows, now_wall)
+    latency = _latencies(record, explaining, now_wall)
+    at_release = _release_losses(record, explaining, now_wall)
     for what, why in (
         ("answered_late", "answered after the safe deadline (proves no loss)"),
         ("unexplained", "with no data-loss fault to explain it"),
@@ -623,6 +678,8 @@ def summarize(record: RunRecord) -> Summary:
         "seconds": record.seconds,
         "locks": len({lock_of(slot) for slot in record.locks}),
         "limit": record.limit,
+        "mode": "failover" if record.failover else "faults",
+        "min_replicas": record.min_replicas,
         "most_holders_at_once": at_once,
         "ttl": ttl,
         "engine": record.engine,
@@ -635,6 +692,14 @@ def summarize(record: RunRecord) -> Summary:
             "skipped": dict(sorted(skipped.items())),
             "errors": len(errors),
         },
+        "failovers": {
+            "scheduled": sum(1 for f in record.schedule if f.kind is FaultKind.FAILOVER),
+            "done": by_kind.get(str(FaultKind.FAILOVER), 0),
+            "after_grant": sum(1 for i in record.injections if i.done and i.after_grant),
+            "replicas_started": record.replicas_started,
+        },
+        "replication_timeouts": outcomes.get("unconfirmed", 0),
+        "double_grants_across_failover": len(classes.across_failover),
         "acquisitions": {
             "total": len(acquired),
             "by_lock": dict(sorted(per_lock.items())),
@@ -655,6 +720,7 @@ def summarize(record: RunRecord) -> Summary:
             "unpaused": _pairs(classes.unpaused),
             "after_data_loss": _pairs(classes.after_data_loss),
             "paused": _pairs(classes.paused),
+            "across_failover": _pairs(classes.across_failover),
         },
         "fencing_order_violations": len(fencing),
         "fenced_writes": {
@@ -673,6 +739,10 @@ def summarize(record: RunRecord) -> Summary:
     }
     lines = _render(record, data, by_kind, by_variant, on_holder, skipped)
     return Summary(not failures, tuple(failures), data, tuple(lines), tuple(details))
+
+
+def _start(window: DataLoss) -> float:
+    return window.start
 
 
 def _latency_text(stats: Mapping[str, Any]) -> str:
@@ -694,7 +764,7 @@ def _render(
 ) -> list[str]:
     faults = data["faults"]
     kinds = []
-    for kind in FaultKind:
+    for kind in (FaultKind.FAILOVER,) if record.failover else ORDINARY:
         count = by_kind.get(str(kind), 0)
         variants = [
             f"{variant.split('/', 1)[1]} {n}"
@@ -723,12 +793,31 @@ def _render(
     counter_text = "; ".join(
         f"{lock} {c['value']} = {c['accepted_increments']}" for lock, c in counters.items()
     )
+    mode = ""
+    if record.failover:
+        mode = f", failover mode (primary + replica, min_replicas {record.min_replicas})"
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "
-        f"{record.seconds:g} s on {record.engine}",
+        f"{record.seconds:g} s on {record.engine}{mode}",
         f"  faults injected      {faults['injected']} of {faults['scheduled']} scheduled: "
         + ", ".join(kinds),
+    ]
+    if record.failover:
+        failover = data["failovers"]
+        across = overlap["across_failover"]
+        expected = " (what min_replicas prevents)" if across["count"] else ""
+        lines += [
+            f"  failovers            {failover['done']} of {failover['scheduled']} scheduled, "
+            f"{failover['after_grant']} right after a grant; "
+            f"{failover['replicas_started']} replicas started",
+            f"  ReplicationTimeout   {data['replication_timeouts']} acquisitions refused "
+            "(too few replicas confirmed them; given back)",
+            f"  double grants across a failover: {across['count']} pairs, "
+            f"max {across['max_ms']:.0f} ms"
+            + (must(across["count"]) if record.min_replicas else expected),
+        ]
+    lines += [
         f"  acquisitions         {acq['total']}: "
         + ", ".join(f"{lock} {n}" for lock, n in acq["by_lock"].items())
         + f"; {acq['by_local_handoff']} by local handoff",

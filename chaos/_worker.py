@@ -147,6 +147,9 @@ class WorkerConfig:
     limit: int = 1
     """Above 1, the semaphore mode: each lock is ``lease(..., limit=limit)``, and each
     permit is recorded as a slot of its own (:func:`slot_name`)."""
+    min_replicas: int = 0
+    """Above 0 (the failover mode): ``lease(..., min_replicas=min_replicas)``; an
+    acquisition that too few replicas confirmed ends the round as ``unconfirmed``."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -206,6 +209,8 @@ class _Round:
     mode: :func:`slot_name`)."""
     fence: int | None = None
     outcome: str = "cancelled"
+    """``released``, ``lost``, ``timeout``, ``unconfirmed`` (``ReplicationTimeout``),
+    ``error``, ``unexpected`` or ``cancelled``."""
     reason: str | None = None
     error: str | None = None
     body_start: float | None = None
@@ -343,6 +348,8 @@ class _Contender:
         if hold is _held_detached:
             state.form = "detached"
         kind: dict[str, Any] = {"limit": config.limit} if config.limit > 1 else {}
+        if config.min_replicas:
+            kind["min_replicas"] = config.min_replicas
         try:
             async with hold(
                 worker.client,
@@ -379,6 +386,8 @@ class _Contender:
             state.outcome, state.reason = "lost", exc.reason.value
         except asynclock.AcquireTimeout:
             state.outcome = "timeout"
+        except asynclock.ReplicationTimeout as exc:  # (a TimeoutError: before OSError)
+            state.outcome, state.error = "unconfirmed", type(exc).__name__
         except (RedisError, OSError, sqlite3.Error) as exc:  # TimeoutError is an OSError
             state.outcome, state.error = "error", type(exc).__name__
             if lock is not None and lock.lost_reason is not None:

@@ -15,21 +15,25 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
 from asynclock.testing import Interval, Pause, available_engines
 from chaos import FaultKind, make_schedule
 from chaos.__main__ import main
-from chaos._nemesis import Fault, Injection
+from chaos._nemesis import ORDINARY, Fault, Injection, make_failover_schedule
+from chaos._replication import Replication
 from chaos._run import ChaosConfig
 from chaos._summary import (
     DataLoss,
     RoundReport,
     RunRecord,
     classify_overlaps,
+    failover_windows,
     local_handoffs,
     most_at_once,
     percentile,
@@ -53,7 +57,8 @@ def test_same_seed_same_schedule():
     first = make_schedule(SEED, 20.0, TTL)
     assert first == make_schedule(SEED, 20.0, TTL)
     assert first != make_schedule(SEED + 1, 20.0, TTL)
-    assert {f.kind for f in first} == set(FaultKind)
+    assert {f.kind for f in first} == set(ORDINARY)
+    assert FaultKind.FAILOVER not in ORDINARY  # only the failover mode fails over
 
 
 @pytest.mark.parametrize("seed", [0, 1, SEED, 2**40 + 3])
@@ -77,7 +82,7 @@ def test_schedule_is_ordered_bounded_and_healed_between_faults(seed: int, second
         if fault.kind is FaultKind.HOLDER_STOP:
             assert fault.duration == pytest.approx(2.5 * TTL)
     if seconds >= 600:
-        assert {f.kind for f in schedule} == set(FaultKind)
+        assert {f.kind for f in schedule} == set(ORDINARY)
 
 
 def test_schedule_scales_with_the_ttl():
@@ -107,6 +112,11 @@ def test_print_schedule_replays(capsys: pytest.CaptureFixture[str]):
         ["--tasks", "17"],
         ["--limit", "0"],
         ["--limit", "65"],
+        ["--min-replicas", "1"],  # without --failover
+        ["--failovers", "3"],
+        ["--failover", "--min-replicas", "2"],  # the run has one replica
+        ["--failover", "--min-replicas", "-1"],
+        ["--failover", "--failovers", "0"],
     ],
 )
 def test_bad_arguments_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]):
@@ -501,3 +511,235 @@ def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path, limit: i
     if limit == 2:
         assert max(summary["most_holders_at_once"].values()) > 2
         assert "more unpaused holders at once than the limit" in out
+
+
+# -- the failover mode -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 3, SEED])
+def test_failover_schedule_is_bounded_and_healed_between_failovers(seed: int):
+    schedule = make_failover_schedule(seed, 20.0, TTL, 4)
+    assert schedule == make_failover_schedule(seed, 20.0, TTL, 4)
+    assert len(schedule) == 4
+    assert [f.index for f in schedule] == list(range(4))
+    assert {f.kind for f in schedule} == {FaultKind.FAILOVER}
+    assert schedule[0].at >= 2 * TTL
+    for before, after in itertools.pairwise(schedule):
+        assert after.at - before.end >= 3 * TTL  # a new replica and calm in between
+    assert schedule[-1].end <= 20.0 - 1.5 * TTL - 3 * TTL
+    for fault in schedule:
+        assert fault.variant in ("lagging", "synced")
+        assert fault.scope in ("holder", "all")
+        assert 0 <= fault.amount <= 0.05 * TTL  # SIGKILL this long after the grant seen
+        assert fault.duration == pytest.approx(1.5 * TTL + fault.amount)
+    # a long run mixes the variants and scopes
+    many = make_failover_schedule(seed, 600.0, TTL, 40)
+    assert len(many) == 40
+    assert {f.variant for f in many} == {"lagging", "synced"}
+    assert {f.scope for f in many} == {"holder", "all"}
+
+
+def test_failover_schedule_fits_the_run():
+    assert len(make_failover_schedule(1, 15.0, TTL, 2)) == 2
+    assert len(make_failover_schedule(1, 15.0, TTL, 50)) == 3  # 4.55 TTLs each at least
+    assert make_failover_schedule(1, 4.0, TTL, 3) == ()
+    with pytest.raises(ValueError, match="count"):
+        make_failover_schedule(1, 20.0, TTL, 0)
+
+
+def test_print_schedule_of_the_failover_mode(capsys: pytest.CaptureFixture[str]):
+    assert main(["--seed", "3", "--failover", "--failovers", "3", "--print-schedule"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert all(" failover/" in line and "after a grant" in line for line in lines)
+    assert (
+        ChaosConfig(seed=3, failover=True, min_replicas=1)
+        .replay()
+        .endswith("--failover --min-replicas 1")
+    )
+    assert (
+        ChaosConfig(seed=3, failover=True, failovers=9)
+        .replay()
+        .endswith("--failover --min-replicas 0 --failovers 9")
+    )
+    assert "--failover" not in ChaosConfig(seed=3).replay()
+
+
+def _failover_injection(killed: float, promoted: float, now: float = NOW) -> Injection:
+    """A failover whose primary was killed at monotonic ``killed`` and whose promoted
+    replica the workers reached at ``promoted`` (wall clock: now - 1000 + monotonic)."""
+    fault = Fault(0, 0.0, FaultKind.FAILOVER, "lagging", 1.2, 0.01, 0.5, "all")
+    offset = now - 1000.0
+    return Injection(
+        fault,
+        start=killed - 0.5,
+        end=promoted + 0.2,
+        start_wall=killed - 0.5 + offset,
+        end_wall=promoted + 0.2 + offset,
+        target="w1 on a",
+        killed=killed,
+        killed_wall=killed + offset,
+        promoted=promoted,
+        promoted_wall=promoted + offset,
+        after_grant=True,
+    )
+
+
+def test_overlap_across_a_failover_is_a_double_grant_of_its_own():
+    """Granted by the old primary and still guarding at its SIGKILL, then overlapped by a
+    holder granted after it: a double grant across the failover (not a data loss, and
+    not excused as one). Two holders both granted after it are a plain violation."""
+    windows = failover_windows([_failover_injection(1000.5, 1000.51)])
+    assert windows == [DataLoss(1000.5, 1000.51, NOW + 0.5, NOW + 0.51)]
+    old = _interval("w1", NOW + 0.49, 1000.49, 1000.9)  # granted just before the kill
+    new = _interval("w2", NOW + 0.6, 1000.6, 1001.0)  # granted by the promoted replica
+    classes = classify_overlaps([old, new], [], [], TTL, now_wall=NOW, failovers=windows)
+    assert len(classes.across_failover) == 1
+    assert not classes.unpaused
+    assert not classes.after_data_loss
+    # without the failover window, the same pair is a plain violation
+    assert classify_overlaps([old, new], [], [], TTL, now_wall=NOW).unpaused
+    newer = _interval("w3", NOW + 0.7, 1000.7, 1001.2)
+    classes = classify_overlaps([new, newer], [], [], TTL, now_wall=NOW, failovers=windows)
+    assert len(classes.unpaused) == 1
+    assert not classes.across_failover
+    # a holder whose guard had ended before the kill overlaps nothing across it
+    done = _interval("w1", NOW + 0.1, 1000.1, 1000.4)
+    assert classify_overlaps([done, new], [], [], TTL, now_wall=NOW, failovers=windows) == (
+        classify_overlaps([], [], [], TTL)
+    )
+    # a failover cut short before the promotion has no window
+    cut_short = dataclasses.replace(_failover_injection(1000.5, 1000.51), promoted=None)
+    assert failover_windows([cut_short]) == []
+
+
+def _failover_record(min_replicas: int, intervals: list[Interval], now: float) -> RunRecord:
+    injection = _failover_injection(1000.5, 1000.51, now)
+    return RunRecord(
+        seed=1,
+        workers=2,
+        seconds=10.0,
+        locks=("a",),
+        ttl=TTL,
+        engine="test",
+        schedule=(injection.fault,),
+        injections=(injection,),
+        rounds=(
+            RoundReport(
+                "w1", "a", 1, "unconfirmed", None, "ReplicationTimeout", None, None, None, None
+            ),
+        ),
+        outcomes=(),
+        intervals=tuple(intervals),
+        pauses=(),
+        attempts=(),
+        fenced_violations=(),
+        counters={},
+        keys_left=(),
+        wall_seconds=10.0,
+        replay="",
+        failover=True,
+        min_replicas=min_replicas,
+        replicas_started=2,
+    )
+
+
+def test_double_grants_across_a_failover_fail_the_run_only_with_min_replicas():
+    now = time.time()  # (summarize reads tokens as timestamps near the present)
+    old = _interval("w1", now + 0.49, 1000.49, 1000.9)
+    new = _interval("w2", now + 0.6, 1000.6, 1001.0)
+    guarded = summarize(_failover_record(1, [old, new], now))
+    assert not guarded.ok
+    assert "1 double grant(s) across a failover with min_replicas=1" in guarded.failures
+    assert guarded.data["double_grants_across_failover"] == 1
+    text = "\n".join(guarded.lines)
+    assert "double grants across a failover: 1 pairs, max 300 ms  <- must be 0" in text
+    assert "failover mode (primary + replica, min_replicas 1)" in text
+    assert "failovers            1 of 1 scheduled, 1 right after a grant; 2 replicas" in text
+    assert "ReplicationTimeout   1 acquisitions refused" in text
+    assert guarded.data["replication_timeouts"] == 1
+    assert guarded.data["mode"] == "failover"
+    unguarded = summarize(_failover_record(0, [old, new], now))
+    assert not [f for f in unguarded.failures if "failover" in f or "overlap" in f]
+    assert unguarded.data["double_grants_across_failover"] == 1
+    assert unguarded.data["most_holders_at_once"] == {"a": 1}  # the second one set aside
+    assert "(what min_replicas prevents)" in "\n".join(unguarded.lines)
+    # and the ordinary summary says nothing of failovers
+    plain = summarize(dataclasses.replace(_failover_record(0, [], now), failover=False))
+    assert not [line for line in plain.lines if "failover" in line]
+
+
+@needs_server
+async def test_a_write_the_lagging_replica_missed_is_lost_by_the_failover():
+    """The failover mode's servers: a write answered while the link is held never
+    reaches the replica, which the failover promotes without it; a write before is kept;
+    the new replica syncs; the link follows the new primary."""
+    async with Replication() as replication:
+        first = replication.primary
+        client = Redis.from_url(first.url)
+        try:
+            await client.set("kept", "1")
+            assert await client.execute_command("WAIT", 1, 2000) == 1
+            replication.hold_link()
+            await client.set("missed", "1")
+            assert await client.execute_command("WAIT", 1, 100) == 0
+        finally:
+            await client.aclose()
+        replica = replication.replica
+        await replication.kill_primary()
+        promoted = await replication.promote()
+        assert promoted is replica is replication.primary
+        assert replication.replica is None
+        assert not first.is_running
+        client = Redis.from_url(promoted.url)
+        try:
+            assert await client.get("kept") == b"1"
+            assert await client.get("missed") is None
+            await client.set("after", "1")
+            await replication.add_replica()
+            assert replication.replica is not None
+            assert replication.link.target_port == promoted.port
+            assert await client.execute_command("WAIT", 1, 2000) == 1
+        finally:
+            await client.aclose()
+        assert replication.replicas_started == 2
+
+
+@needs_server
+def test_chaos_run_of_failovers_with_min_replicas(tmp_path: Path):
+    """The failover mode (issue 21 C): the primary is killed right after a grant, its
+    replica promoted, the workers' proxies repointed, a new replica started, three
+    times; with min_replicas=1 no lock is ever held twice, across a failover or not.
+    Seed 5 schedules one failover of each kind: after a lag of the replica, right after
+    a grant, and right after a grant with the grantee cut off from the new primary."""
+    code, out, err = _chaos(
+        "--failover",
+        "--min-replicas",
+        "1",
+        "--failovers",
+        "3",
+        "--seconds",
+        "15",
+        "--seed",
+        "5",
+        "--json",
+        tmp=tmp_path,
+        timeout=90,
+    )
+    assert code == 0, f"{out}\n{err}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert summary["ok"]
+    assert summary["mode"] == "failover"
+    assert summary["min_replicas"] == 1
+    assert summary["failovers"]["done"] >= 1, summary["failovers"]
+    assert summary["failovers"]["after_grant"] >= 1, summary["failovers"]
+    assert summary["faults"]["errors"] == 0
+    assert summary["double_grants_across_failover"] == 0
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["counter_mismatches"] == 0
+    assert summary["keys_left"] == []
+    assert summary["workers_died"] == []
+    assert summary["unexpected_errors"] == 0
+    assert summary["acquisitions"]["total"] >= 10
+    assert "failover mode (primary + replica, min_replicas 1)" in out
