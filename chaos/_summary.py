@@ -700,6 +700,9 @@ def summarize(record: RunRecord) -> Summary:
         },
         "replication_timeouts": outcomes.get("unconfirmed", 0),
         "double_grants_across_failover": len(classes.across_failover),
+        "double_grants_by_failover": _by_failover(
+            classes.across_failover, record.injections, ttl, now_wall
+        ),
         "acquisitions": {
             "total": len(acquired),
             "by_lock": dict(sorted(per_lock.items())),
@@ -741,6 +744,20 @@ def summarize(record: RunRecord) -> Summary:
     return Summary(not failures, tuple(failures), data, tuple(lines), tuple(details))
 
 
+def _by_failover(
+    overlaps: Sequence[Overlap], injections: Sequence[Injection], ttl: float, now_wall: float
+) -> dict[str, int]:
+    """Double grants across a failover, by the failover's ``variant/scope``."""
+    found: Counter[str] = Counter()
+    for overlap in overlaps:
+        for injection in injections:
+            windows = failover_windows([injection])
+            if _excused_by(overlap.first, overlap.second, windows, ttl, now_wall):
+                found[f"{injection.fault.variant}/{injection.fault.scope}"] += 1
+                break
+    return dict(sorted(found.items()))
+
+
 def _start(window: DataLoss) -> float:
     return window.start
 
@@ -772,7 +789,8 @@ def _render(
             if variant.startswith(f"{kind}/")
         ]
         if on_holder.get(str(kind)):
-            variants.append(f"{on_holder[str(kind)]} on one holder")
+            scope = "with the grantee cut off" if kind is FaultKind.FAILOVER else "on one holder"
+            variants.append(f"{on_holder[str(kind)]} {scope}")
         text = f"{kind} {count}"
         if variants and count:
             text += f" ({', '.join(variants)})"
@@ -815,6 +833,7 @@ def _render(
             "(too few replicas confirmed them; given back)",
             f"  double grants across a failover: {across['count']} pairs, "
             f"max {across['max_ms']:.0f} ms"
+            + (f" ({_counts(data['double_grants_by_failover'])})" if across["count"] else "")
             + (must(across["count"]) if record.min_replicas else expected),
         ]
     lines += [

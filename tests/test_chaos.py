@@ -653,7 +653,10 @@ def test_double_grants_across_a_failover_fail_the_run_only_with_min_replicas():
     assert "1 double grant(s) across a failover with min_replicas=1" in guarded.failures
     assert guarded.data["double_grants_across_failover"] == 1
     text = "\n".join(guarded.lines)
-    assert "double grants across a failover: 1 pairs, max 300 ms  <- must be 0" in text
+    assert (
+        "double grants across a failover: 1 pairs, max 300 ms (lagging/all 1)  <- must be 0" in text
+    )
+    assert guarded.data["double_grants_by_failover"] == {"lagging/all": 1}
     assert "failover mode (primary + replica, min_replicas 1)" in text
     assert "failovers            1 of 1 scheduled, 1 right after a grant; 2 replicas" in text
     assert "ReplicationTimeout   1 acquisitions refused" in text
