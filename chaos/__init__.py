@@ -7,7 +7,10 @@ blackhole and reset; server stall, ``CLIENT KILL``, ``FLUSHALL``, restart withou
 persistence; ``SIGSTOP`` of a holder). It then heals everything, stops the workers, runs
 every checker (no overlap among holders that were not paused, no stale fenced write
 accepted, exact counters, no key left behind) and prints one summary; a failing seed is
-printed with the command that replays its schedule. See ``docs/chaos.md``.
+printed with the command that replays its schedule. ``python -m chaos --failover
+[--min-replicas N]`` is the failover mode: a primary and a replica, and the only fault
+kills the primary right after a grant and promotes the replica; with ``min_replicas=1``
+no lock may be granted twice across a failover. See ``docs/chaos.md``.
 
 Not needed at run time by asynclock itself. Python API: :func:`run_chaos` (async),
 :class:`ChaosConfig`, and :func:`make_schedule`/:class:`Fault` for the seed's schedule.
