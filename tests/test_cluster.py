@@ -336,6 +336,29 @@ async def test_an_acquire_waits_for_its_slots_migration(
         await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
 
 
+async def test_an_acquire_waits_while_its_slot_is_not_served(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """The lock's slot stops being served (its owner drops it: the cluster answers
+    CLUSTERDOWN, as during a failover): a blocking acquire waits, and takes the lock once
+    the slot is served again, rather than raising the first CLUSTERDOWN."""
+    key = f"{prefix}{{down}}"
+    owner = _owner(nodes, key)
+    slot = int(owner.command("CLUSTER", "KEYSLOT", key).strip()[1:])
+    owner.command("CLUSTER", "DELSLOTS", slot)
+    try:
+        waiting = asyncio.create_task(
+            asynclock.acquire(cluster, "down", ttl=5.0, blocking_timeout=60.0, prefix=prefix)
+        )
+        done, _ = await asyncio.wait([waiting], timeout=1.5)
+        assert not done, waiting.exception()
+    finally:
+        owner.command("CLUSTER", "ADDSLOTS", slot)
+    async with asyncio.timeout(30):
+        lock = await waiting
+    await lock.release()
+
+
 def _node_id(server: RedisServer) -> str:
     return server.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
 

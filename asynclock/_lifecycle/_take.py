@@ -11,11 +11,19 @@ that owns it. With ``min_replicas`` the lease is confirmed by replicas first
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AskError, MovedError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._base._events import EventHook, LeaseEventKind, hooks, report
@@ -33,6 +41,8 @@ from ._release import let_go, unretain
 from ._replicas import confirm_replicas
 
 __all__ = ["take", "take_reporting"]
+
+log = logging.getLogger("asynclock")
 
 
 async def take(
@@ -79,10 +89,10 @@ async def _take_on_cluster(
 ) -> Lease:
     """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
     ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
-    tries again (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating)
-    waits a little and tries again: while ``blocking``, until the migration ends or
-    ``blocking_timeout`` runs out (counted once, from the call, across attempts);
-    otherwise ``_SLOT_TRIES`` times."""
+    tries again (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating),
+    or ``CLUSTERDOWN`` (no node serves the slot: a failover under way), waits a little and
+    tries again: while ``blocking``, until that ends or ``blocking_timeout`` runs out
+    (counted once, from the call, across attempts); otherwise ``_SLOT_TRIES`` times."""
     loop = asyncio.get_running_loop()
     wait = options.blocking_timeout
     deadline = None if wait is None else loop.time() + wait
@@ -91,30 +101,40 @@ async def _take_on_cluster(
     attempts = 0
     while True:
         attempts += 1
-        node = await node_client(cluster, options.base_key)
         attempt = options
         if deadline is not None and attempts > 1:
             attempt = replace(options, blocking_timeout=max(0.0, deadline - loop.time()))
         try:
+            node = await node_client(cluster, options.base_key)
             return await _take(node, attempt, hook, job)
-        except (MovedError, AskError, TryAgainError, RedisConnectionError) as exc:
+        except (
+            MovedError,
+            AskError,
+            TryAgainError,
+            ClusterDownError,
+            RedisConnectionError,
+        ) as exc:
             if isinstance(exc, MovedError | RedisConnectionError):
                 moved += 1
                 if moved >= _SLOT_TRIES or (
                     isinstance(exc, RedisConnectionError) and not not_sent(exc)
                 ):
                     raise
-            else:  # ASK, TRYAGAIN: a migration under way
+            else:  # ASK, TRYAGAIN: a migration under way; CLUSTERDOWN: a failover
                 left = None if deadline is None else deadline - loop.time()
                 if not options.blocking and attempts >= _SLOT_TRIES:
                     raise
                 if left is not None and left <= pause:
-                    raise AcquireTimeout(
-                        options.name, wait or 0.0, "its slot was migrating"
-                    ) from exc
+                    down = isinstance(exc, ClusterDownError)
+                    why = "its slot was not served" if down else "its slot was migrating"
+                    raise AcquireTimeout(options.name, wait or 0.0, why) from exc
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _SLOT_PAUSE_MOST)
-            await reload_slots(cluster)
+            try:
+                await reload_slots(cluster)
+            except (RedisError, RedisClusterException) as exc:
+                # (the next attempt goes by the map as it is, and tells what is wrong)
+                log.debug("asynclock: reloading the cluster's slot map failed: %r", exc)
 
 
 async def _take(
