@@ -18,6 +18,7 @@ import asyncio
 import importlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -243,10 +244,18 @@ async def _operate(args: argparse.Namespace) -> int:
                 f"token {_show(info.fencing_token)})? The holder is cancelled. [y/N] "
             )
             # On stderr (stdout may be --json), read here: nothing else runs on the loop
-            # meanwhile, and Ctrl-C stops at once (input() in a thread would be waited
-            # for at exit).
+            # meanwhile (input() in a thread would be waited for at exit), with Python's
+            # own SIGINT handler, so that Ctrl-C interrupts the read at once (asyncio's
+            # only cancels the task, which the read does not see).
             print(question, end="", file=sys.stderr, flush=True)
-            answer = sys.stdin.readline()  # (see above; "" without a terminal)
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                answer = sys.stdin.readline()  # ("" without a terminal)
+            except KeyboardInterrupt:
+                answer = ""
+                print(file=sys.stderr)
+            finally:
+                signal.signal(signal.SIGINT, previous)
             if answer.strip().lower() not in ("y", "yes"):
                 print("not released", file=sys.stderr)
                 return 3

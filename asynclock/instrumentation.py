@@ -312,6 +312,13 @@ class _Collector:
 
         _drain()  # (every event reported so far, tallied)
         hook = self._hook
+        with hook._lock:  # (a snapshot: counts and sums that agree with each other)
+            acquisitions, renewals = dict(hook.acquisitions), dict(hook.renewals)
+            losses = dict(hook.losses)
+            histograms = {
+                h: {key: list(series) for key, series in tallies.items()}
+                for h, tallies in hook._histograms.items()
+            }
         names = hook._label_names
         families: list[Any] = []
         for metric, doc, label, counts in (
@@ -319,25 +326,24 @@ class _Collector:
                 "asynclock_lease_acquisitions",
                 "Lease acquisitions, by outcome (acquired, busy, timeout).",
                 "outcome",
-                hook.acquisitions,
+                acquisitions,
             ),
             (
                 "asynclock_lease_renewals",
                 "Lease renewals, by outcome (ok, failed).",
                 "outcome",
-                hook.renewals,
+                renewals,
             ),
-            ("asynclock_lease_losses", "Leases lost while held, by reason.", "reason", hook.losses),
+            ("asynclock_lease_losses", "Leases lost while held, by reason.", "reason", losses),
         ):
             counter = CounterMetricFamily(metric, doc, labels=[*names, label])
-            for key, total in dict(counts).items():
+            for key, total in counts.items():
                 counter.add_metric(list(key), total)
             families.append(counter)
         for histogram, (metric, doc) in self._DOCS.items():
             family = HistogramMetricFamily(metric, doc, labels=names)
             bounds = hook._BUCKETS[histogram]
-            for key, series in dict(hook._histograms[histogram]).items():
-                values = list(series)
+            for key, values in histograms[histogram].items():
                 cumulative, buckets = 0.0, []
                 for bound, count in zip((*bounds, float("inf")), values[:-1], strict=True):
                     cumulative += count

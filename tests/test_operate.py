@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -215,6 +216,50 @@ async def test_release_by_hand_releases_only_the_holder_shown(
     finally:
         with contextlib.suppress(LockLost):
             await second.release()
+
+
+async def test_ctrl_c_at_the_question_stops_at_once(
+    redis_server: ServerInfo, client: Redis, prefix: str
+) -> None:
+    """Ctrl-C (SIGINT) while the command waits for the answer: it stops at once, not
+    confirmed (exit 3), and the holder keeps its lease."""
+    lease = await asynclock.acquire(client, "asked", ttl=30, prefix=prefix)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "asynclock",
+        "release",
+        "--force",
+        "asked",
+        "--url",
+        redis_server.url,
+        "--prefix",
+        prefix,
+        stdin=subprocess.PIPE,  # (kept open: the read waits)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert proc.stderr is not None
+        async with asyncio.timeout(30):
+            asked = b""
+            while b"[y/N]" not in asked:
+                chunk = await proc.stderr.read(100)
+                assert chunk, asked
+                asked += chunk
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(5):
+            code = await proc.wait()
+        assert code == 3
+        assert lease.state is asynclock.LeaseState.HELD
+        assert await client.exists(lease.key) == 1
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await lease.release()
 
 
 async def asynclock_force_release(

@@ -264,9 +264,9 @@ class RedlockContext:
         assert lock is not None
         assert guard is not None
         try:
+            lock._released = True  # (first: leases given back no longer count as lost)
             with anyio.CancelScope(shield=True):
                 await _release_all(lock._leases)
-            lock._released = True
             lock._report_released()
         finally:
             await guard.__aexit__(exc_type, exc, tb)
