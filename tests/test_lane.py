@@ -328,3 +328,26 @@ async def test_a_cancelled_lane_exchange_raises_cancelled_error(
 
 async def _none_blocked(observer: Redis) -> bool:
     return await _blocked(observer) == 0
+
+
+async def test_a_lane_with_a_home_closes_connections_that_lead_elsewhere(
+    redis_server: Any,
+) -> None:
+    """Once told where its connections must lead (a Sentinel client's primary, after a
+    failover), the lane closes a connection that comes back from a call leading
+    elsewhere (it reconnects at its next use); one leading there stays open."""
+    client = Redis.from_url(redis_server.url)
+    try:
+        lane = companion_for(client).lane
+        assert await lane.call(pack(("PING",))) == b"PONG"
+        (connection,) = lane.idle_connections()
+        assert connection.is_connected
+        lane.home = ("127.0.0.1", 1)  # (somewhere else)
+        assert await lane.call(pack(("PING",))) == b"PONG"
+        assert lane.idle_connections() == [connection]
+        assert not connection.is_connected
+        lane.home = (connection.host, int(connection.port))
+        assert await lane.call(pack(("PING",))) == b"PONG"  # (reconnected, stays)
+        assert connection.is_connected
+    finally:
+        await client.aclose()

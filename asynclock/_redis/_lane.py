@@ -45,7 +45,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from ._cluster import is_sharded
 from ._compat import as_connection_error, as_max_connections_error, exhausted, get_connection
 
-__all__ = ["Lane", "encoding_in", "encoding_of", "exchange", "mark_not_sent", "not_sent"]
+__all__ = [
+    "Lane",
+    "encoding_in",
+    "encoding_of",
+    "exchange",
+    "mark_not_sent",
+    "not_sent",
+    "reaches_another",
+]
 
 _SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
 _LINGER: Final = 1.0  # seconds unused after which the lane gives its connections back
@@ -79,6 +87,7 @@ class Lane:
         "_used",
         "client",
         "encoding",
+        "home",
         "sharded",
     )
 
@@ -88,6 +97,10 @@ class Lane:
         """How the client's connections encode arguments: (encoding, error handler)."""
         self.sharded = is_sharded(client)
         """A client of a cluster node: scripts publish with ``SPUBLISH``."""
+        self.home: tuple[str, int] | None = None
+        """Where the lane's connections must lead (host, port), once known (a Sentinel
+        client's primary, see ``_session._sentinel``): one coming back from a call that
+        leads elsewhere is closed, to reconnect there at its next use."""
         self._loop = loop
         self._idle: list[tuple[Any, float | None]] = []  # (connection, its socket timeout)
         self._held = 0  # connections checked out by the lane, idle or busy
@@ -144,8 +157,15 @@ class Lane:
         if self._closing:  # the event loop is shutting down: nothing stays borrowed
             await self._return_connection(connection, saved)
         else:
+            home = self.home
+            if home is not None and reaches_another(connection, home):
+                await connection.disconnect(nowait=True)  # (the primary moved: see home)
             self._idle.append((connection, saved))
         return reply
+
+    def idle_connections(self) -> list[Any]:
+        """The connections the lane holds idle."""
+        return [connection for connection, _ in self._idle]
 
     async def _bounded(self, connection: Any, packed: bytes, ends: float, count: int = 1) -> object:
         """:func:`_round_trip`, ended by loop time ``ends`` with ``TimeoutError`` as
@@ -252,6 +272,13 @@ class Lane:
             connection, saved = self._idle.pop()
             with contextlib.suppress(Exception):
                 await self._return_connection(connection, saved)
+
+
+def reaches_another(connection: Any, address: tuple[str, int]) -> bool:
+    """Whether ``connection`` is connected to a server other than ``address``."""
+    if not getattr(connection, "is_connected", False):
+        return False
+    return (connection.host, int(connection.port)) != address
 
 
 _NOT_SENT: Final = "_asynclock_not_sent"

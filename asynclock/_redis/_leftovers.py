@@ -18,13 +18,23 @@ import contextlib
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["forget_closed_loops", "forget_connection", "pool_connections"]
+__all__ = [
+    "forget_closed_loops",
+    "forget_connection",
+    "idle_connections",
+    "pool_connections",
+]
 
 
 def forget_closed_loops(pool: Any) -> int:
     """Disconnect the connections of ``pool`` (a redis-py asyncio pool) whose streams
     belong to a closed event loop, without that loop. Returns how many were."""
     return sum(forget_connection(connection) for connection in pool_connections(pool))
+
+
+def idle_connections(pool: Any) -> list[Any]:
+    """The connections ``pool`` (a redis-py asyncio pool) holds idle."""
+    return list(_members(pool, "_available_connections"))
 
 
 def pool_connections(pool: Any) -> list[Any]:

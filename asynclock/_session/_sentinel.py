@@ -11,11 +11,11 @@ or, once the key there had expired, found not ours.
 
 So before each batch of renewals of a Sentinel client (one query per batch, every ttl/3,
 not one per lease), :func:`follow_primary` asks the sentinels where the primary is, and
-closes every connection of asynclock's own pools (and the wake-up subscription) that
-still reaches another server: the renewal then connects to the primary the sentinels
-name, and the subscription reconnects there. When the address changed, the
-caller's pool's idle connections are closed too (redis-py's ``get_master_address`` does
-that), after the lane has given its connections back, so releases and acquires follow.
+closes every connection that still reaches another server: asynclock's own pools', the
+wake-up subscription, the lane's idle ones and the caller's pool's idle ones. Each
+reconnects through the sentinels at its next use, to the primary they name. The lane
+also learns that address, and closes a connection that was busy meanwhile as it comes
+back, so acquires and releases follow as well.
 The query gets at most half of the batch's time; if no sentinel answers in time, the
 renewal goes where its connection already is, as it did before.
 """
@@ -31,8 +31,8 @@ from redis.asyncio import Redis
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import RedisError
 
-from .._redis._lane import Lane
-from .._redis._leftovers import pool_connections
+from .._redis._lane import Lane, reaches_another
+from .._redis._leftovers import idle_connections, pool_connections
 
 __all__ = ["follow_primary", "sentinel_primary_pool"]
 
@@ -55,31 +55,29 @@ async def follow_primary(
     subscription: Any = None,
 ) -> None:
     """Ask the sentinels of ``pool`` where the primary is (until loop time ``deadline``)
-    and close the connections of the ``own`` clients (asynclock's pools), and the
-    waiting room's ``subscription``, that reach another server (the subscription
-    reconnects and subscribes again by itself); if the primary moved, give the
-    ``lane``'s connections back and close the caller's idle ones. Never raises but a
-    cancellation: a sentinel that does not answer leaves every connection as it is."""
-    before = pool.master_address
+    and close every connection that reaches another server: the ``own`` clients'
+    (asynclock's pools), the waiting room's ``subscription`` (it reconnects and
+    subscribes again by itself), the ``lane``'s idle ones (and tell the lane, which
+    closes a busy one as it comes back) and the caller's pool's idle ones. Each
+    reconnects through the sentinels at its next use. Never raises but a cancellation:
+    a sentinel that does not answer leaves every connection as it is, and a connection
+    that fails to close is left to fail at its next use."""
     try:
         async with asyncio.timeout_at(deadline):
             address: tuple[str, int] = await pool.get_master_address()  # type: ignore[no-untyped-call]
     except (RedisError, OSError, TimeoutError) as exc:
         log.debug("asynclock: no sentinel said where the primary is: %r", exc)
         return
-    if before is not None and address != before:
-        await lane.aclose()  # (its connections back, so that the next line closes them)
-        await pool.disconnect(inuse_connections=False)
+    home = lane.home = (address[0], int(address[1]))
     connections = [] if subscription is None else [subscription]
+    connections += lane.idle_connections()
+    connections += idle_connections(pool)
     for client in own:
         if client is not None:
             connections += pool_connections(client.connection_pool)
     for connection in connections:
-        if _reaches_another(connection, address):
-            await connection.disconnect(nowait=True)
-
-
-def _reaches_another(connection: Any, address: tuple[str, int]) -> bool:
-    if not getattr(connection, "is_connected", False):
-        return False
-    return (connection.host, int(connection.port)) != (address[0], int(address[1]))
+        if reaches_another(connection, home):
+            try:
+                await connection.disconnect(nowait=True)
+            except Exception as exc:  # (it fails again at its next use, and reconnects)
+                log.debug("asynclock: closing a connection to the old primary: %r", exc)
