@@ -148,6 +148,36 @@ async def test_a_release_halfway_through_a_migration_deletes_the_key(
         await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
 
 
+async def test_extend_and_release_follow_a_migration_no_renewal_saw(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """The slot migrates between two renewals (ttl 9 s: none due): extend() and the
+    release, answered MOVED, follow it to the new owner, where the key is renewed and
+    then deleted, rather than failing or leaving the key to its TTL."""
+    key = f"{prefix}{{quiet}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    lock = await asynclock.acquire(cluster, "quiet", ttl=9.0, prefix=prefix)
+    try:
+        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await lock.extend()
+        assert await _pttl(target, key) > 8000
+        assert lock.state is asynclock.LeaseState.HELD
+    finally:
+        await lock.release()
+    assert await _pttl(target, key) == -2
+    assert lock.state is asynclock.LeaseState.RELEASED
+    other = await asynclock.acquire(cluster, "twice", ttl=9.0, prefix=prefix)
+    key = f"{prefix}{{twice}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+    await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+    await other.release()  # (no renewal, no extend: the release alone follows)
+    assert await _pttl(target, key) == -2
+
+
 async def test_waiters_are_woken_by_sharded_pub_sub(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:
@@ -259,6 +289,9 @@ async def test_a_held_lease_follows_its_slot_to_another_primary(
             await renewals.more(2)
             assert lock.state is asynclock.LeaseState.HELD
             assert await _pttl(target, key) > 700  # (renewed there within 0.5 s)
+            with pytest.raises(RuntimeError, match="already held by this task"):
+                async with asynclock.lease(cluster, "moving", prefix=prefix):
+                    pass
             with pytest.raises(LockBusy):
                 async with asynclock.lease(other, "moving", blocking=False, prefix=prefix):
                     pass

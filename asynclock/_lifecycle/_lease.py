@@ -441,13 +441,22 @@ class Lease:
     def _moved(self, error: AskError) -> bool:
         """A renewal was answered ``MOVED`` or ``ASK`` (``error``, a ``MovedError`` or an
         ``AskError``): on a Redis Cluster, the lock's slot is (being) migrated to the
-        node the answer names. The lease moves to that node's companion, and is renewed
-        there at once (after ``ASKING`` while the slot is migrating; see
-        ``_redis._cluster``). Returns False when it cannot move (not a cluster, being
-        released, or the same node): the renewal then counts as failed."""
+        node the answer names. The lease moves to that node's companion (``_follow``),
+        and is renewed there at once. Returns False when it cannot move (not a cluster,
+        being released, or the same node): the renewal then counts as failed."""
+        if self._closing or self._state not in _ACTIVE or not self._follow(error):
+            return False
+        self._companion.watchdog.schedule(self, self._companion.loop.time())
+        return True
+
+    def _follow(self, error: AskError) -> bool:
+        """Move the lease to the companion of the node that ``error`` (``MOVED`` or
+        ``ASK``) names, its commands sent after ``ASKING`` while the slot is migrating
+        (see ``_redis._cluster``); False if it cannot (not a cluster, or that node is its
+        own already). The caller sends again, or schedules the next renewal."""
         old = self._companion
         cluster = cluster_of(old.client)
-        if cluster is None or self._closing or self._state not in _ACTIVE:
+        if cluster is None:
             return False
         node = node_at(cluster, error.host, int(error.port))
         if node is None:
@@ -456,10 +465,12 @@ class Lease:
         if new is old:
             return False
         new.retain()
-        old.pass_holding(self._options.base_key, new)
+        token = self.token
+        if token in old.room.in_use:  # (see WaitingRoom.in_use; discarded at release)
+            old.room.in_use.discard(token)
+            new.room.in_use.add(token)
         self._companion = new
         self._asking = not isinstance(error, MovedError)
-        new.watchdog.schedule(self, new.loop.time())
         let_go(old)
         return True
 
@@ -496,14 +507,21 @@ class Lease:
         Returns True if renewed, False if the lease is (now) lost. Raises the Redis or
         timeout error when the outcome is unknown.
         """
-        client = self._companion.renewer()
         t_send = self._companion.loop.time()
         async with asyncio.timeout(limit):
             options = self._options
             keys = [self.key]
             if options.shared:
                 keys += (options.base_key, options.readers_key)
-            reply = await self._renew_script(client, keys, [self._owner(), options.ttl_ms])
+            args: list[Arg] = [self._owner(), options.ttl_ms]
+            try:
+                client = self._companion.renewer()
+                reply = await self._renew_script(client, keys, args, asking=self._asking)
+            except AskError as moved:  # (MOVED too: the slot moved; see _moved)
+                if not self._follow(moved):
+                    raise
+                client = self._companion.renewer()
+                reply = await self._renew_script(client, keys, args, asking=self._asking)
         if reply != 1:
             self._found_not_ours()
             return False

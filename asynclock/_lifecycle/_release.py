@@ -17,7 +17,7 @@ import math
 from collections.abc import Coroutine
 from typing import Any, Final, Protocol
 
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import AskError, MaxConnectionsError
 
 from .._base._events import LeaseEventKind
 from .._base._exceptions import LossReason
@@ -59,6 +59,7 @@ class Held(Protocol):
     def _owner(self) -> str: ...
     @property
     def _asking(self) -> bool: ...  # (its slot migrates to its node: see _lease._moved)
+    def _follow(self, error: AskError) -> bool: ...  # (MOVED/ASK: to the node named)
     def _event(self, kind: LeaseEventKind, detail: str = "") -> None: ...
     def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
     def _end(self) -> None: ...
@@ -292,6 +293,11 @@ async def _send_release(
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args, asking=asking)
+    except AskError as moved:  # (MOVED too: its slot moved since the last renewal)
+        if not held._follow(moved):
+            raise
+        companion = held._companion
+        reply = await script(companion.lane, keys, args, deadline, asking=held._asking)
     except UNKNOWN_OUTCOME as exc:
         log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
         first = False

@@ -43,6 +43,7 @@ from redis.exceptions import ClusterDownError
 
 __all__ = [
     "cluster_of",
+    "holding_of",
     "is_sharded",
     "mark_sharded",
     "node_at",
@@ -97,6 +98,20 @@ def cluster_of(client: Redis) -> RedisCluster | None:
     """The cluster client whose node client ``client`` is (None: not one, or gone)."""
     ref: weakref.ref[RedisCluster] | None = getattr(client, _CLUSTER, None)
     return None if ref is None else ref()
+
+
+_HOLDING: Final = "_asynclock_holding"  # on a cluster client: see holding_of
+
+
+def holding_of(cluster: RedisCluster) -> dict[Any, int]:
+    """The register of blocks and guards open of ``cluster``'s locks, shared by the
+    companions of all its nodes (``Companion._holding``): a lock belongs to a slot, and
+    a slot moves between nodes while a block of it is open."""
+    holding: dict[Any, int] | None = getattr(cluster, _HOLDING, None)
+    if holding is None:
+        holding = {}
+        setattr(cluster, _HOLDING, holding)
+    return holding
 
 
 def node_at(cluster: RedisCluster, host: str, port: int) -> Redis | None:

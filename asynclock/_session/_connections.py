@@ -29,7 +29,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnec
 from redis.backoff import NoBackoff
 
 from .._base._shield import finish
-from .._redis._cluster import is_sharded, mark_sharded
+from .._redis._cluster import cluster_of, holding_of, is_sharded, mark_sharded
 from .._redis._compat import fit_settings
 from .._redis._lane import Lane
 from .._redis._leftovers import forget_closed_loops
@@ -120,7 +120,9 @@ class Companion:
         self._eviction_check: asyncio.Task[None] | None = None
         # (lease key, task) -> how many blocks and guards of that lock the task is in: a
         # task that enters a lock it holds would wait for itself forever (see holding).
-        self._holding: dict[HoldEntry, int] = {}
+        # (One register for all the nodes of a cluster: a lock's slot moves between them.)
+        cluster = cluster_of(client)
+        self._holding: dict[HoldEntry, int] = {} if cluster is None else holding_of(cluster)
         # anyio's CancelScope() looks up the running event loop's backend every time; the
         # class it returns for this loop makes scopes directly.
         self.cancel_scope: type[anyio.CancelScope] = type(anyio.CancelScope())
@@ -165,12 +167,6 @@ class Companion:
         count = self._holding.pop(entry, 0) - 1
         if count > 0:
             self._holding[entry] = count
-
-    def pass_holding(self, key: str, other: Companion) -> None:
-        """Hand ``other`` the blocks and guards open here of the lock whose lease key is
-        ``key`` (its lease moved there: a cluster slot migrated, see ``_lease._moved``)."""
-        for entry in [e for e in self._holding if e[0] == key]:
-            other._holding[entry] = other._holding.get(entry, 0) + self._holding.pop(entry)
 
     def pack(self, *args: str | int) -> bytes:
         """One command in RESP, encoded as this client's connections would encode it."""
