@@ -178,6 +178,57 @@ async def test_extend_and_release_follow_a_migration_no_renewal_saw(
     assert await _pttl(target, key) == -2
 
 
+async def test_a_waiter_with_an_old_slot_map_is_woken_on_the_new_owner(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """A client whose slot map predates a migration: its waiter subscribes on the old
+    owner first (refused: MOVED), its attempt is MOVED too, and it waits on the new
+    owner, woken there by the release (the holder's TTL is 30 s); the old owner's
+    subscription connection still serves that client's waiters of its other locks."""
+    key = f"{prefix}{{moved}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    stale = RedisCluster(host="127.0.0.1", port=source.port)
+    await stale.initialize()
+    holder = await asynclock.acquire(cluster, "moved", ttl=30.0, prefix=prefix)
+    try:
+        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await holder.extend()  # (the holder follows the slot now: see the tests above)
+
+        async def wait_for(name: str) -> float:
+            async with asynclock.lease(stale, name, ttl=5.0, prefix=prefix):
+                return time.monotonic()
+
+        waiting = asyncio.create_task(wait_for("moved"))
+        done, _ = await asyncio.wait([waiting], timeout=1.0)
+        assert not done
+        released = time.monotonic()
+        await holder.release()
+        async with asyncio.timeout(10):
+            entered = await waiting
+        assert released <= entered < released + 3.0
+        # another lock of the old owner: a waiter there is woken as before
+        other = next(
+            name
+            for name in (f"o{i}" for i in range(100))
+            if _owner(nodes, f"{prefix}{{{name}}}") is source
+        )
+        second = await asynclock.acquire(cluster, other, ttl=30.0, prefix=prefix)
+        waiting = asyncio.create_task(wait_for(other))
+        done, _ = await asyncio.wait([waiting], timeout=1.0)
+        assert not done
+        released = time.monotonic()
+        await second.release()
+        async with asyncio.timeout(10):
+            entered = await waiting
+        assert released <= entered < released + 3.0
+    finally:
+        with contextlib.suppress(LockLost, RuntimeError):
+            await holder.release()
+        await stale.aclose()
+
+
 async def test_waiters_are_woken_by_sharded_pub_sub(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:

@@ -314,6 +314,9 @@ class WaitingRoom:
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
             log.debug("asynclock: subscription to %s not confirmed: %r", channel, exc)
+            if self._pending.get(channel) is not None and not self._pending[channel].done():
+                # (the next subscribe sends it again, rather than waiting on this one)
+                self._pending.pop(channel).set_result(False)
             return False
 
     async def _command(self, command: str, names: list[str]) -> None:
@@ -382,6 +385,7 @@ class WaitingRoom:
                 # time left, and their next attempt finds the slot's new owner.
                 log.debug("asynclock: a subscription was refused: %r", exc)
                 self._heard = loop.time()
+                self._forget_unconfirmed()
                 continue
             except (RedisError, OSError) as exc:
                 log.debug("asynclock: wake-up subscription broken: %r", exc)
@@ -403,6 +407,21 @@ class WaitingRoom:
                 # A waiter was woken (a grant, a release): let it run before this task
                 # reads on, the handoff waits for it, not for the next read to be armed.
                 await asyncio.sleep(0)
+
+    def _forget_unconfirmed(self) -> None:
+        """A subscription was refused, and the refusal does not say which: every channel
+        not confirmed yet counts as not subscribed (its waiter is told so, and a later
+        subscribe sends it again); those confirmed stay."""
+        for channel in self._subscribed - self._confirmed:
+            self._subscribed.discard(channel)
+            for name in self._both((channel,)):
+                self._inflight.pop(name, None)
+                self._acked.discard(name)
+        for channel, future in list(self._pending.items()):
+            if channel not in self._confirmed:
+                del self._pending[channel]
+                if not future.done():
+                    future.set_result(False)
 
     def _both(self, channels: Iterable[str]) -> list[str]:
         """The channels to subscribe to for locks' ``channels``: each, and our grants'."""
