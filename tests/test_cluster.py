@@ -161,6 +161,7 @@ async def test_extend_and_release_follow_a_migration_no_renewal_saw(
     try:
         slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
         await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        assert await lock.is_held(verify=True)  # (answered MOVED: asks the new owner)
         await lock.extend()
         assert await _pttl(target, key) > 8000
         assert lock.state is asynclock.LeaseState.HELD
@@ -373,6 +374,7 @@ async def test_a_held_lease_is_renewed_while_its_slot_migrates(
         slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
         await renewals.more(2)
         assert lock.state is asynclock.LeaseState.HELD
+        assert await lock.is_held(verify=True)  # (on the target, after ASKING)
         with pytest.raises(AskError):  # (not on the source any more)
             await _pttl(source, key)
         assert await _pttl(target, key, asking=True) > 700

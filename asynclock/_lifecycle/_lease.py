@@ -210,11 +210,21 @@ class Lease:
         if not verify:
             return True
         before = cancelling()
-        companion = self._companion
+        keys, args = [self.key], [self._owner()]
         async with asyncio.timeout(self.time_left):
-            ours = await run_idempotent(
-                _IS_OURS, companion.client, companion.overflow, [self.key], [self._owner()]
-            )
+            try:
+                if self._asking:  # (its slot is migrating to its node: see _moved)
+                    ours = await _IS_OURS(self._companion.client, keys, args, asking=True)
+                else:
+                    companion = self._companion
+                    ours = await run_idempotent(
+                        _IS_OURS, companion.client, companion.overflow, keys, args
+                    )
+            except AskError as moved:  # (MOVED too: the slot moved; see _moved)
+                if not self._follow(moved):
+                    raise
+                client = self._companion.client
+                ours = await _IS_OURS(client, keys, args, asking=self._asking)
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if ours != 1:
