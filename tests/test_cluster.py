@@ -230,6 +230,41 @@ async def test_a_waiter_with_an_old_slot_map_is_woken_on_the_new_owner(
         await stale.aclose()
 
 
+async def test_local_waiters_follow_their_lock_to_its_new_owner(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """A waiter of the holder's own client, queued on the old owner's node when the slot
+    migrates: the holder's lease moves (here by extend(), answered MOVED) and wakes it,
+    so it moves too and gets the lock at the release, not at the holder's TTL (30 s)."""
+    key = f"{prefix}{{local}}"
+    source = _owner(nodes, key)
+    target = next(n for n in nodes if n is not source)
+    holder = await asynclock.acquire(cluster, "local", ttl=30.0, prefix=prefix)
+
+    async def waiter() -> float:
+        async with asynclock.lease(cluster, "local", ttl=5.0, prefix=prefix):
+            return time.monotonic()
+
+    waiting = asyncio.create_task(waiter())
+    try:
+        done, _ = await asyncio.wait([waiting], timeout=0.5)
+        assert not done
+        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await holder.extend()
+        done, _ = await asyncio.wait([waiting], timeout=0.5)
+        assert not done
+        released = time.monotonic()
+        await holder.release()
+        async with asyncio.timeout(10):
+            entered = await waiting
+        assert released <= entered < released + 3.0
+    finally:
+        waiting.cancel()
+        with contextlib.suppress(LockLost, RuntimeError):
+            await holder.release()
+
+
 async def test_waiters_are_woken_by_sharded_pub_sub(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:

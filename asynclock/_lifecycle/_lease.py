@@ -481,6 +481,7 @@ class Lease:
             new.room.in_use.add(token)
         self._companion = new
         self._asking = not isinstance(error, MovedError)
+        old.room.wake(self._options.channel)  # (its waiters here try, and move too)
         let_go(old)
         return True
 

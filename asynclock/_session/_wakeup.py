@@ -460,6 +460,8 @@ class WaitingRoom:
                 self._confirmed.discard(channel)
                 if left < 0:  # not asked for: the server dropped it (its slot moved)
                     self._subscribed.discard(channel)
+                    self.wake(channel)  # (its waiters try now, and find the new owner)
+                    return True
             else:
                 self._acked.add(name)
                 if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
