@@ -46,6 +46,7 @@ from ._base._events import EventHook, LeaseEvent, LeaseEventKind, Tallied
 from ._base._events import drain as _drain
 from ._base._events import hooks as _hooks
 from ._base._events import set_hooks as _set_hooks
+from ._base._events import tallied as _tallied
 
 __all__ = ["OpenTelemetryHook", "PrometheusHook", "get_hooks", "set_hooks"]
 
@@ -103,12 +104,7 @@ class _Tally:
         raise NotImplementedError
 
     def __call__(self, event: LeaseEvent) -> None:
-        kind = event.kind
-        if kind is _ACQUIRED or kind is _FAILED:
-            value = event.waited
-        else:
-            value = event.slack if kind is _RENEWED else event.held
-        self._asynclock_sink([(kind, event.name, event.detail, value)])
+        self._asynclock_sink([_tallied(event)])
 
     def _asynclock_sink(self, batch: list[Tallied]) -> None:
         """The hook's batch form (see ``_base._events.report``): tally ``batch``."""

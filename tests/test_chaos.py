@@ -386,12 +386,21 @@ def _chaos(*args: str, tmp: Path, timeout: float) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def _summary(*args: str, tmp: Path, timeout: float, status: int = 0) -> tuple[dict[str, Any], str]:
+    """Run ``python -m chaos ARGS --json`` (see ``_chaos``) and check its exit status;
+    returns its summary (the last line of its output) and its output."""
+    code, out, err = _chaos(*args, "--json", tmp=tmp, timeout=timeout)
+    assert code == status, f"{out}\n{err}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return summary, out
+
+
 @needs_server
 def test_chaos_run_of_20_seconds(tmp_path: Path):
     """Four workers of two contenders each, three locks, 20 s of faults of every kind,
     half the rounds held with ``async with lease`` and half with ``acquire()``, ``guard()``
     and ``release()``: every check passes."""
-    code, out, err = _chaos(
+    summary, out = _summary(
         "--seconds",
         "20",
         "--workers",
@@ -400,12 +409,9 @@ def test_chaos_run_of_20_seconds(tmp_path: Path):
         str(SEED),
         "--detached",
         "0.5",
-        "--json",
         tmp=tmp_path,
         timeout=120,
     )
-    assert code == 0, f"{out}\n{err}"
-    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     assert summary["ok"]
     assert summary["seed"] == SEED
     assert summary["tasks"] == 2  # the default: contenders share their worker's client
@@ -433,7 +439,7 @@ def test_chaos_run_of_semaphores(tmp_path: Path):
     """The semaphore mode: two locks of two permits each, eight contenders, 12 s of faults
     of every kind. Each permit passes every check a lock does, no lock ever has more than
     two unpaused holders, and both locks reach their limit."""
-    code, out, err = _chaos(
+    summary, out = _summary(
         "--seconds",
         "12",
         "--workers",
@@ -446,12 +452,9 @@ def test_chaos_run_of_semaphores(tmp_path: Path):
         str(SEED),
         "--detached",
         "0.3",
-        "--json",
         tmp=tmp_path,
         timeout=90,
     )
-    assert code == 0, f"{out}\n{err}"
-    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     assert summary["ok"]
     assert summary["limit"] == 2
     assert summary["locks"] == 2
@@ -485,7 +488,7 @@ def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path, limit: i
     seed 5, chosen when workers had one contender, let 1 run out of 3 pass. In the
     semaphore mode (two locks of two permits) the limit check fails too."""
     kind = ["--locks", "2", "--limit", "2"] if limit == 2 else []
-    code, out, err = _chaos(
+    summary, out = _summary(
         "--seconds",
         "20",
         "--workers",
@@ -494,12 +497,10 @@ def test_chaos_run_catches_work_that_outlives_its_lease(tmp_path: Path, limit: i
         "6",
         "--sabotage",
         *kind,
-        "--json",
         tmp=tmp_path,
         timeout=120,
+        status=1,
     )
-    assert code == 1, f"{out}\n{err}"
-    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     assert summary["overlap"]["unpaused"]["count"] > 0
     assert summary["fenced_writes"]["stale_accepted"] == 0
     assert summary["counter_mismatches"] == 0
@@ -715,7 +716,7 @@ def test_chaos_run_of_failovers_with_min_replicas(tmp_path: Path):
     times; with min_replicas=1 no lock is ever held twice, across a failover or not.
     Seed 5 schedules one failover of each kind: after a lag of the replica, right after
     a grant, and right after a grant with the grantee cut off from the new primary."""
-    code, out, err = _chaos(
+    summary, out = _summary(
         "--failover",
         "--min-replicas",
         "1",
@@ -725,12 +726,9 @@ def test_chaos_run_of_failovers_with_min_replicas(tmp_path: Path):
         "15",
         "--seed",
         "5",
-        "--json",
         tmp=tmp_path,
         timeout=90,
     )
-    assert code == 0, f"{out}\n{err}"
-    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     assert summary["ok"]
     assert summary["mode"] == "failover"
     assert summary["min_replicas"] == 1

@@ -132,8 +132,7 @@ async def test_a_release_halfway_through_a_migration_deletes_the_key(
     on the target, after ASKING): the release goes there with ASKING too and deletes the
     key, rather than leaving it to expire by its TTL."""
     key = f"{prefix}{{parting}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     renewals = _Renewals()
     async with asynclock.lease(
         cluster, "parting", ttl=1.5, prefix=prefix, on_event=renewals.on_event
@@ -155,12 +154,10 @@ async def test_extend_and_release_follow_a_migration_no_renewal_saw(
     release, answered MOVED, follow it to the new owner, where the key is renewed and
     then deleted, rather than failing or leaving the key to its TTL."""
     key = f"{prefix}{{quiet}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     lock = await asynclock.acquire(cluster, "quiet", ttl=9.0, prefix=prefix)
     try:
-        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
-        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await _migrate(nodes, source, target, key)
         assert await lock.is_held(verify=True)  # (answered MOVED: asks the new owner)
         await lock.extend()
         assert await _pttl(target, key) > 8000
@@ -171,10 +168,8 @@ async def test_extend_and_release_follow_a_migration_no_renewal_saw(
     assert lock.state is asynclock.LeaseState.RELEASED
     other = await asynclock.acquire(cluster, "twice", ttl=9.0, prefix=prefix)
     key = f"{prefix}{{twice}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
-    slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
-    await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+    source, target = _owner_and_other(nodes, key)
+    await _migrate(nodes, source, target, key)
     await other.release()  # (no renewal, no extend: the release alone follows)
     assert await _pttl(target, key) == -2
 
@@ -187,14 +182,12 @@ async def test_a_waiter_with_an_old_slot_map_is_woken_on_the_new_owner(
     owner, woken there by the release (the holder's TTL is 30 s); the old owner's
     subscription connection still serves that client's waiters of its other locks."""
     key = f"{prefix}{{moved}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     stale = RedisCluster(host="127.0.0.1", port=source.port)
     await stale.initialize()
     holder = await asynclock.acquire(cluster, "moved", ttl=30.0, prefix=prefix)
     try:
-        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
-        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await _migrate(nodes, source, target, key)
         await holder.extend()  # (the holder follows the slot now: see the tests above)
 
         async def wait_for(name: str) -> float:
@@ -237,8 +230,7 @@ async def test_local_waiters_follow_their_lock_to_its_new_owner(
     migrates: the holder's lease moves (here by extend(), answered MOVED) and wakes it,
     so it moves too and gets the lock at the release, not at the holder's TTL (30 s)."""
     key = f"{prefix}{{local}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     holder = await asynclock.acquire(cluster, "local", ttl=30.0, prefix=prefix)
 
     async def waiter() -> float:
@@ -249,8 +241,7 @@ async def test_local_waiters_follow_their_lock_to_its_new_owner(
     try:
         done, _ = await asyncio.wait([waiting], timeout=0.5)
         assert not done
-        slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
-        await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+        await _migrate(nodes, source, target, key)
         await holder.extend()
         done, _ = await asyncio.wait([waiting], timeout=0.5)
         assert not done
@@ -316,6 +307,20 @@ def _start_migration(source: RedisServer, target: RedisServer, key: str) -> int:
         source.command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *names)
 
 
+async def _migrate(
+    nodes: list[RedisServer], source: RedisServer, target: RedisServer, key: str
+) -> None:
+    """Move ``key``'s slot from ``source`` to ``target``, whole (see _start_migration)."""
+    slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
+    await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+
+
+def _owner_and_other(nodes: list[RedisServer], key: str) -> tuple[RedisServer, RedisServer]:
+    """The node that owns ``key``'s slot, and another one (to migrate it to)."""
+    source = _owner(nodes, key)
+    return source, next(n for n in nodes if n is not source)
+
+
 def _finish_migration(nodes: list[RedisServer], target: RedisServer, slot: int) -> None:
     """``target`` owns ``slot`` now (every node told, the target first)."""
     for server in sorted(nodes, key=lambda n: n is not target):
@@ -362,8 +367,7 @@ async def test_a_held_lease_follows_its_slot_to_another_primary(
     the lock); the release deletes the key there; a new lease is then taken on the new
     owner through the same cluster client (its MOVED reloads the slot map)."""
     key = f"{prefix}{{moving}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     other = RedisCluster(host="127.0.0.1", port=target.port)
     renewals = _Renewals()
     try:
@@ -371,8 +375,7 @@ async def test_a_held_lease_follows_its_slot_to_another_primary(
             cluster, "moving", ttl=1.5, prefix=prefix, on_event=renewals.on_event
         ) as lock:
             await renewals.more(1)  # (the renewals' connection is the source's)
-            slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
-            await anyio.to_thread.run_sync(_finish_migration, nodes, target, slot)
+            await _migrate(nodes, source, target, key)
             await renewals.more(2)
             assert lock.state is asynclock.LeaseState.HELD
             assert await _pttl(target, key) > 700  # (renewed there within 0.5 s)
@@ -399,8 +402,7 @@ async def test_a_held_lease_is_renewed_while_its_slot_migrates(
     already moved) the owner answers a renewal with ASK: the lease is renewed on the
     target after ASKING, stays held, and stays held once the migration ends."""
     key = f"{prefix}{{halfway}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     renewals = _Renewals()
     async with asynclock.lease(
         cluster, "halfway", ttl=1.5, prefix=prefix, on_event=renewals.on_event
@@ -429,8 +431,7 @@ async def test_an_acquire_waits_for_its_slots_migration(
     1.5 s, then takes the lock on the new owner; its blocking_timeout counts once, from
     the call, across the attempts."""
     key = f"{prefix}{{later}}"
-    source = _owner(nodes, key)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, key)
     slot = await anyio.to_thread.run_sync(_start_migration, source, target, key)
     waiting = asyncio.create_task(
         asynclock.acquire(cluster, "later", ttl=5.0, blocking_timeout=30.0, prefix=prefix)
@@ -445,8 +446,7 @@ async def test_an_acquire_waits_for_its_slots_migration(
     finally:
         await lock.release()
     other = f"{prefix}{{never}}"
-    source = _owner(nodes, other)
-    target = next(n for n in nodes if n is not source)
+    source, target = _owner_and_other(nodes, other)
     slot = await anyio.to_thread.run_sync(_start_migration, source, target, other)
     try:
         started = time.monotonic()

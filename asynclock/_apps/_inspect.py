@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, cast
 
 from redis.asyncio.cluster import RedisCluster
 
 from .._base._options import Client, LeaseOptions
 from .._redis._cluster import node_client, primary_clients
+from .._redis._scripts import Script
 from ._statistics import statistics
 
 __all__ = ["LockInfo", "force_release", "inspect", "list_locks"]
@@ -243,17 +244,18 @@ async def force_release(
     keys += _permits(options, info.limit or 0)
     readers = await node.zrange(options.readers_key, 0, -1)
     keys += [f"{options.key}:reader:{_text(r)}" for r in readers]
-    publish = "PUBLISH" if node is redis else "SPUBLISH"  # (a cluster's: sharded)
     expected = "" if fencing_token is None else str(fencing_token)
-    deleted = await node.eval(
-        _FORCE_RELEASE, len(keys), *keys, expected, options.channel, "asynclock-cli", publish
-    )
-    return None if int(deleted) < 0 else int(deleted)
+    # (a cluster node's client runs the script's sharded twin: SPUBLISH, see Script)
+    args = [expected, options.channel, "asynclock-cli"]
+    deleted = int(cast(int, await _FORCE_RELEASE(node, keys, args)))
+    return None if deleted < 0 else deleted
 
 
 # KEYS: the lock's key first, then its other holder keys; ARGV: the fencing token the
-# key must hold ('' for any), the channel, the message, PUBLISH or SPUBLISH.
-_FORCE_RELEASE = """
+# key must hold ('' for any), the channel, the message.
+_FORCE_RELEASE: Final = Script(
+    "force_release",
+    """
 if ARGV[1] ~= '' then
   local value = redis.call('GET', KEYS[1])
   if not value or string.match(value, '^[^:]*:(%d+)') ~= ARGV[1] then
@@ -261,6 +263,7 @@ if ARGV[1] ~= '' then
   end
 end
 local deleted = redis.call('DEL', unpack(KEYS))
-redis.call(ARGV[4], ARGV[2], ARGV[3])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
 return deleted
-"""
+""",
+)

@@ -27,6 +27,7 @@ __all__ = [
     "hooks",
     "report",
     "set_hooks",
+    "tallied",
 ]
 
 log = logging.getLogger("asynclock")
@@ -189,30 +190,46 @@ def report(
     No event object is made unless a hook that takes one is set. Sinks are called under
     a lock, so a hook's tallies change in one thread at a time, whichever loop or
     collecting thread drains."""
-    if type(hook) is _Alone:
+    if hook is not None or _PLAIN[0]:
         event = LeaseEvent(
             kind, name, fencing_token, at, safe_until, detail, waited, held, latency, slack
         )
+        emit(hook, event)
+    elif _SINKS[0]:
+        _queue((kind, name, detail, _figure(kind, waited, held, slack)))
+
+
+def emit(hook: EventHook | None, event: LeaseEvent) -> None:
+    """:func:`report` for an event already made."""
+    if hook is not None:
         _call(hook, event)
-        return
-    plain = _PLAIN[0]
-    if hook is not None or plain:
-        event = LeaseEvent(
-            kind, name, fencing_token, at, safe_until, detail, waited, held, latency, slack
-        )
-        if hook is not None:
-            _call(hook, event)
-        for each in plain:
-            _call(each, event)
+        if type(hook) is _Alone:
+            return
+    for each in _PLAIN[0]:
+        _call(each, event)
     if _SINKS[0]:
-        if kind is _ACQUIRED or kind is _ACQUIRE_FAILED:
-            value = waited
-        else:
-            value = slack if kind is _RENEWED else held
-        pending = _PENDING
-        pending.append((kind, name, detail, value))
-        if len(pending) >= _BATCH:
-            drain()
+        _queue(tallied(event))
+
+
+def tallied(event: LeaseEvent) -> Tallied:
+    """``event`` as a metrics hook tallies it (see :data:`Tallied`)."""
+    kind = event.kind
+    return (kind, event.name, event.detail, _figure(kind, event.waited, event.held, event.slack))
+
+
+def _figure(
+    kind: LeaseEventKind, waited: float | None, held: float | None, slack: float | None
+) -> float | None:
+    if kind is _ACQUIRED or kind is _ACQUIRE_FAILED:
+        return waited
+    return slack if kind is _RENEWED else held
+
+
+def _queue(figures: Tallied) -> None:
+    pending = _PENDING
+    pending.append(figures)
+    if len(pending) >= _BATCH:
+        drain()
 
 
 _PENDING: deque[Tallied] = deque()  # events reported to the sinks, not handed over yet
@@ -237,23 +254,6 @@ def drain() -> None:
                 sink(batch)
             except Exception:
                 log.exception("asynclock: event hook %r failed on a batch of events", sink)
-
-
-def emit(hook: EventHook | None, event: LeaseEvent) -> None:
-    """:func:`report` for an event already made."""
-    report(
-        hook,
-        event.kind,
-        event.name,
-        event.fencing_token,
-        event.at,
-        event.safe_until,
-        event.detail,
-        event.waited,
-        event.held,
-        event.latency,
-        event.slack,
-    )
 
 
 def _call(hook: EventHook, event: LeaseEvent) -> None:
