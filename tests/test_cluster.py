@@ -509,16 +509,19 @@ async def test_a_failover_of_the_locks_primary(
         await other.initialize()
         rival_in: float | None = None
         holder_out = 0.0
+        refused: list[BaseException] = []  # (the rival's, for a failure's message)
 
         async def rival() -> None:
             nonlocal rival_in
             while True:
-                with contextlib.suppress(LockBusy, RedisError):
+                try:
                     async with asynclock.lease(
                         other, "failover", ttl=1.0, blocking=False, prefix=prefix
                     ):
                         rival_in = time.monotonic()
                         return
+                except (LockBusy, RedisError) as exc:
+                    refused[-9:] = [*refused[-9:], exc]
                 await asyncio.sleep(0.05)
 
         held: asynclock.Lease | None = None
@@ -538,8 +541,12 @@ async def test_a_failover_of_the_locks_primary(
                     holder_out = time.monotonic()
         with contextlib.suppress(LockLost):
             await held.release()
-        async with asyncio.timeout(30):
-            await rival_task
+        try:
+            async with asyncio.timeout(30):
+                await rival_task
+        except TimeoutError:
+            info = replica.command("CLUSTER", "INFO").decode(errors="replace")
+            pytest.fail(f"no rival got in 30 s after the kill: {refused!r}\n{info}")
         assert rival_in is not None
         assert rival_in >= holder_out
         async with asyncio.timeout(30):
