@@ -484,6 +484,22 @@ def _node_id(server: RedisServer) -> str:
     return server.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()
 
 
+def _sees_replica(server: RedisServer, replica: str, primary: str) -> bool:
+    """Whether ``server``'s CLUSTER NODES lists node ``replica`` as a connected replica
+    of node ``primary`` (past the handshake: only then does it vote for its promotion)."""
+    for line in server.command("CLUSTER", "NODES").decode(errors="replace").splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and fields[0] == replica:
+            flags = fields[2].split(",")
+            return (
+                "slave" in flags
+                and "handshake" not in flags
+                and fields[3] == primary
+                and fields[7] == "connected"
+            )
+    return False
+
+
 async def test_a_failover_of_the_locks_primary(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:
@@ -494,18 +510,25 @@ async def test_a_failover_of_the_locks_primary(
     key = f"{prefix}{{failover}}"
     primary = _owner(nodes, key)
     replica = RedisServer(cluster=True).start()
-    other = RedisCluster(host="127.0.0.1", port=next(n for n in nodes if n is not primary).port)
+    survivors = [n for n in nodes if n is not primary]  # (they vote for the promotion)
+    other = RedisCluster(host="127.0.0.1", port=survivors[0].port)
     try:
         primary.command("CLUSTER", "MEET", "127.0.0.1", replica.port)
         wait_until(
             lambda: b"cluster_known_nodes:4" in replica.command("CLUSTER", "INFO"),
             "the new node did not join",
         )
-        replica.command("CLUSTER", "REPLICATE", _node_id(primary))
+        primary_id, replica_id = _node_id(primary), _node_id(replica)
+        replica.command("CLUSTER", "REPLICATE", primary_id)
         wait_until(
             lambda: b"master_link_status:up" in replica.command("INFO", "replication"),
             "the replica did not sync",
         )
+        for server in survivors:
+            wait_until(
+                lambda s=server: _sees_replica(s, replica_id, primary_id),
+                f"node {server.port} does not know the replica yet",
+            )
         await other.initialize()
         rival_in: float | None = None
         holder_out = 0.0
@@ -545,8 +568,14 @@ async def test_a_failover_of_the_locks_primary(
             async with asyncio.timeout(30):
                 await rival_task
         except TimeoutError:
-            info = replica.command("CLUSTER", "INFO").decode(errors="replace")
-            pytest.fail(f"no rival got in 30 s after the kill: {refused!r}\n{info}")
+            state = "\n".join(
+                f"node {s.port}:\n{s.command('CLUSTER', 'NODES').decode(errors='replace')}"
+                for s in [replica, *survivors]
+            )
+            pytest.fail(
+                f"no rival got in 30 s after the kill: {refused!r}\n{state}\n"
+                f"the replica's log:\n{replica.log_tail(40)}"
+            )
         assert rival_in is not None
         assert rival_in >= holder_out
         async with asyncio.timeout(30):
