@@ -311,10 +311,11 @@ def _aof_server(*extra: str) -> RedisServer:
 
 @pytest.fixture
 async def aof_pair(prefix: str) -> AsyncIterator[Pair]:
-    """A primary and its replica, both with append-only files, the replica's file
-    written up to a probe (``WAITAOF`` counts it). A replica synchronized in full counts
-    for ``WAITAOF`` only once it has rewritten its file (it did within 0.1 s here): until
-    then it acknowledges nothing."""
+    """A primary and its replica writing an append-only file, written up to a probe
+    (``WAITAOF`` counts it). A replica synchronized in full counts for ``WAITAOF`` only
+    once it has rewritten its file (it did within 0.1 s here): until then it
+    acknowledges nothing. (The primary writes none: ``WAITAOF 0 n`` does not ask it to,
+    and its writes need not wait for a disk.)"""
     primary = _aof_server()
     replica: RedisServer | None = None
     on_primary = Redis.from_url(primary.url)
@@ -334,8 +335,13 @@ async def aof_pair(prefix: str) -> AsyncIterator[Pair]:
                 ):
                     break
                 await asyncio.sleep(0.01)
-            while (await on_primary.execute_command("WAITAOF", 0, 1, 100))[1] != 1:
-                await on_primary.set(prefix + "probe", "1")
+            await on_primary.config_set("appendonly", "no")
+            while True:  # (on one connection: WAITAOF counts its connection's writes)
+                probe = on_primary.pipeline(transaction=False)
+                probe.set(prefix + "probe", "1").execute_command("WAIT", 1, 100)
+                probe.execute_command("WAITAOF", 0, 1, 100)
+                if (await probe.execute())[-1] == [0, 1]:
+                    break
         yield Pair(primary, replica, on_primary, on_replica)
     finally:
         await on_primary.aclose()
@@ -356,7 +362,7 @@ async def test_wait_aof_counts_replicas_that_wrote_their_append_only_file(
     async with asynclock.lease(
         aof_pair.on_primary,
         "job",
-        ttl=1.5,
+        ttl=3.0,
         min_replicas=1,
         wait_aof=True,
         prefix=prefix,
@@ -365,7 +371,7 @@ async def test_wait_aof_counts_replicas_that_wrote_their_append_only_file(
         value = await aof_pair.on_replica.get(lock.key)
         assert value is not None
         assert value.decode().startswith(lock.token)
-        await asyncio.sleep(1.2)  # (two renewals, each confirmed)
+        await asyncio.sleep(2.4)  # (two renewals, each confirmed)
         assert lock.state is asynclock.LeaseState.HELD
     kinds = [e.kind for e in events]
     assert kinds.count(LeaseEventKind.RENEWED) >= 2
@@ -414,9 +420,10 @@ async def test_wait_aof_on_a_server_without_waitaof(prefix: str) -> None:
     """A server that does not know WAITAOF (older than 7.2; here it is renamed away):
     the acquisition is given back and a ResponseError says what wait_aof needs."""
     server = _aof_server("--rename-command", "WAITAOF", "")
-    replica = server.replica()
+    replica: RedisServer | None = None
     client = Redis.from_url(server.url)
     try:
+        replica = server.replica()  # (WAIT, before WAITAOF, returns at once)
         with pytest.raises(ResponseError, match="wait_aof=True needs a server with WAITAOF"):
             async with asynclock.lease(
                 client, "job", ttl=2.0, min_replicas=1, wait_aof=True, prefix=prefix
@@ -425,7 +432,8 @@ async def test_wait_aof_on_a_server_without_waitaof(prefix: str) -> None:
         assert await keys_left(client, prefix) == []
     finally:
         await client.aclose()
-        replica.stop()
+        if replica is not None:
+            replica.stop()
         server.stop()
 
 
@@ -442,15 +450,17 @@ async def test_cancelled_while_waitaof_blocks_leaves_nothing(aof_pair: Pair, pre
             pytest.fail("entered a lease that no replica wrote to its file")
 
     task = asyncio.create_task(take())
-    async with asyncio.timeout(5):
-        # (a state of the server: nothing to await but its answer)
-        while not any(  # noqa: ASYNC110
-            client["cmd"] == "waitaof" and "b" in client["flags"]  # (blocked in it)
-            for client in await aof_pair.on_primary.client_list()
-        ):
-            await asyncio.sleep(0.005)
-    assert await aof_pair.on_primary.exists(prefix + "{job}") == 1
-    task.cancel()
+    try:
+        async with asyncio.timeout(5):
+            # (a state of the server: nothing to await but its answer)
+            while not any(  # noqa: ASYNC110
+                client["cmd"] == "waitaof" and "b" in client["flags"]  # (blocked in it)
+                for client in await aof_pair.on_primary.client_list()
+            ):
+                await asyncio.sleep(0.005)
+        assert await aof_pair.on_primary.exists(prefix + "{job}") == 1
+    finally:
+        task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await aof_pair.on_primary.exists(prefix + "{job}") == 0

@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 
 import asynclock._session._watchdog as watchdog_module
-from asynclock._session._watchdog import Watchdog
+from asynclock._session._watchdog import _NONE_ASKED, Watchdog
 
 REAL_RENEW = Watchdog._renew  # (the fixture below replaces it)
 
@@ -163,8 +163,8 @@ async def test_a_lease_whose_handling_raises_is_failed_and_the_others_go_on(
         renewed = [Standin(f"r{i}", base + 2) for i in range(3)]
         renewed[1].broken = True
 
-        async def answered(self: Watchdog, batch: list[Any]) -> tuple[float, list[object], int]:
-            return base, [1] * len(batch), 0  # (t_send, replies, replicas confirming)
+        async def answered(self: Watchdog, batch: list[Any]) -> tuple[float, list[object], Any]:
+            return base, [1] * len(batch), _NONE_ASKED  # (t_send, replies, no replicas)
 
         monkeypatch.setattr(Watchdog, "_send", answered)
         await REAL_RENEW(dog, cast(Any, renewed))

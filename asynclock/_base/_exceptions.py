@@ -150,9 +150,9 @@ class LimitConflict(LockError, ValueError):
 class ReplicationTimeout(LockError, TimeoutError):
     """A lease asked for ``min_replicas`` was granted by the primary, but fewer replicas
     than that confirmed it (``WAIT``; ``WAITAOF`` with ``wait_aof``) within ``timeout``
-    seconds: it was given back, and
-    counts as not acquired. Retry later, or with fewer replicas; ``confirmed`` says how
-    many did confirm (-1: the confirmation got no answer)."""
+    seconds: it was given back, and counts as not acquired. Retry later, or with fewer
+    replicas; ``confirmed`` says how many did confirm (-1: the confirmation got no
+    answer)."""
 
     def __init__(self, name: str, wanted: int, confirmed: int, timeout: float) -> None:
         self.name = name

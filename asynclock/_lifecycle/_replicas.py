@@ -11,8 +11,8 @@ sends the lease's own renewal (its kind's owner-checked renew script, see the se
 replication stream is one ordered log: a replica that acknowledged the renewal has the
 acquisition, which came before it.
 
-The watchdog confirms each renewal the same way (one ``WAIT`` behind a batch of
-renewals); an acquisition that is not confirmed is given back at once (``hold_at_least``
+The watchdog confirms each renewal the same way (one ``WAIT``, and ``WAITAOF``, behind a
+batch of renewals); an acquisition that is not confirmed is given back at once (``hold_at_least``
 set aside: nobody ran under it) and ``ReplicationTimeout`` raised, so it counts as not
 acquired. A cancellation during the confirmation gives the lease back too.
 
@@ -71,7 +71,8 @@ async def confirm_replicas(held: Lease) -> None:
     except BaseException:
         await _give_back(held)
         raise
-    if isinstance(error, ResponseError) and "unknown command" in str(error).lower():
+    unknown = isinstance(error, ResponseError) and "unknown command" in str(error).lower()
+    if options.wait_aof and unknown:
         await _give_back(held)
         raise ResponseError(
             f"wait_aof=True needs a server with WAITAOF (Redis or Valkey 7.2 and later): {error}"

@@ -42,7 +42,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import AskError, NoScriptError, RedisError
@@ -59,6 +59,20 @@ log = logging.getLogger("asynclock")
 
 _WINDOW: Final = 0.05  # seconds (at most ttl/30): renewals due this close travel together
 _BATCH: Final = 1000  # most renewals in one pipeline
+
+
+class _Confirmed(NamedTuple):
+    """What the replicas said of a batch of renewals (see ``Watchdog._send``)."""
+
+    acked: int
+    """Replicas that confirmed every renewal of the batch (-1: no answer, or refused)."""
+    wait: float
+    """The most seconds the confirmation was allowed (``WAIT``, and ``WAITAOF``)."""
+    error: BaseException | None
+    """The confirmation's error reply, if it was refused."""
+
+
+_NONE_ASKED: Final = _Confirmed(0, 0.0, None)  # (a batch without min_replicas)
 
 
 class Watched(Protocol):
@@ -222,7 +236,7 @@ class Watchdog:
     async def _renew(self, batch: list[Watched]) -> None:
         """One attempt for each lease of ``batch``; never raises (failures are per lease)."""
         try:
-            t_send, replies, acked = await self._send(batch)
+            t_send, replies, confirmed = await self._send(batch)
         except asyncio.CancelledError:
             if self._closing:
                 raise
@@ -248,12 +262,12 @@ class Watchdog:
                     continue  # (MOVED too: its slot is elsewhere now, renewed there at once)
                 if isinstance(reply, BaseException):
                     self._retry(lease, reply)
-                elif reply == 1 and lease._options.min_replicas > acked:
+                elif reply == 1 and lease._options.min_replicas > confirmed.acked:
                     # renewed on the primary, not confirmed by enough replicas: failed
-                    options = lease._options
-                    wanted = options.min_replicas
-                    wait = options.replica_wait_ms * options.confirmation_steps / 1000
-                    self._retry(lease, ReplicationTimeout(lease.name, wanted, acked, wait))
+                    wanted, acked = lease._options.min_replicas, confirmed.acked
+                    short = ReplicationTimeout(lease.name, wanted, acked, confirmed.wait)
+                    short.__cause__ = confirmed.error  # (WAITAOF refused, say)
+                    self._retry(lease, short)
                 elif reply == 1:
                     ttl = lease.ttl
                     found = renewed.get(ttl)
@@ -274,12 +288,13 @@ class Watchdog:
             lease._watch(due)
         self._timeline.add(due, leases)
 
-    async def _send(self, batch: list[Watched]) -> tuple[float, list[object], int]:
+    async def _send(self, batch: list[Watched]) -> tuple[float, list[object], _Confirmed]:
         """Send the batch's renewals in one write; returns t_send, a reply (or the
-        per-command error) per lease, and how many replicas confirmed them (``WAIT``
-        behind them, when a lease of the batch asks for ``min_replicas``; else 0; -1 for
-        no answer). Raises on a connection error, or TimeoutError at the batch's earliest
-        deadline (or ttl/3 after sending, if sooner)."""
+        per-command error) per lease, and how many replicas confirmed them (``WAIT``, and
+        ``WAITAOF`` with ``wait_aof``, behind them when the batch's leases ask for
+        ``min_replicas``; else 0; -1 for no answer or an error reply). Raises on a
+        connection error, or TimeoutError at the batch's earliest deadline (or ttl/3
+        after sending, if sooner)."""
         loop = self._loop
         t_send = loop.time()
         earliest = min(lease._safe_until for lease in batch)
@@ -294,6 +309,7 @@ class Watchdog:
             parts += (lease._renew_head, lease._renew_tail())
         count = len(batch) + len(asked)
         wanted = max(lease._options.min_replicas for lease in batch)
+        steps, wait_ms = 1, 0
         if wanted:  # (see _lifecycle/_replicas: WAIT confirms every write before it)
             options = batch[0]._options  # (all of the batch wait_aof or none: see _fire)
             steps = options.confirmation_steps
@@ -323,11 +339,13 @@ class Watchdog:
                 replies = await exchange(client, packed, count)
                 for index in reversed(asked):
                     del replies[index]
-        acked = 0
-        if wanted:
-            acked = replicas_confirmed(replies[-1])
-            del replies[len(batch) :]
-        return t_send, replies, acked
+        if not wanted:
+            return t_send, replies, _NONE_ASKED
+        last = replies[-1]
+        error = last if isinstance(last, BaseException) else None
+        confirmed = _Confirmed(replicas_confirmed(last), wait_ms * steps / 1000, error)
+        del replies[len(batch) :]
+        return t_send, replies, confirmed
 
     def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
         """The batch failed as a whole: every lease of it tries again (see ``_retry``)."""
