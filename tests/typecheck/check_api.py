@@ -51,7 +51,7 @@ async def held_without_a_block(redis: Redis) -> None:
 
 
 async def deployments(cluster: RedisCluster, r1: Redis, r2: Redis, r3: Redis) -> int:
-    async with asynclock.lease(cluster, "x", min_replicas=1) as on_cluster:
+    async with asynclock.lease(cluster, "x", min_replicas=1, wait_aof=True) as on_cluster:
         assert_type(on_cluster, Lease)
     async with asynclock.lease([r1, r2, r3], "x", ttl=5) as redlock:
         assert_type(redlock, asynclock.RedlockLease)
