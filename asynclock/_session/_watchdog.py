@@ -218,14 +218,17 @@ class Watchdog:
             timeline.push(due, [lease])
         timeline.rearm(now)
         if batch:
-            # Those waiting for replicas travel apart (WAIT holds its connection), and
-            # those waiting for append-only files apart from them (WAITAOF counts fewer).
-            groups: dict[tuple[bool, bool], list[Watched]] = {}
-            for lease in batch:
-                options = lease._options
-                groups.setdefault((options.min_replicas > 0, options.wait_aof), []).append(lease)
-            for group in groups.values():
-                self._launch(group)
+            confirmed = [lease for lease in batch if lease._options.min_replicas]
+            if confirmed:
+                # (those waiting for replicas travel apart: WAIT holds its connection; and
+                # those waiting for append-only files apart again: WAITAOF counts fewer)
+                batch = [lease for lease in batch if not lease._options.min_replicas]
+                for aof in (False, True):
+                    group = [lease for lease in confirmed if lease._options.wait_aof is aof]
+                    if group:
+                        self._launch(group)
+            if batch:
+                self._launch(batch)
 
     def _launch(self, batch: list[Watched]) -> None:
         task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
