@@ -194,7 +194,7 @@ class _CountWarnings(logging.Handler):
         self._counts = counts
 
     def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage().removeprefix("asynclock: ")
+        text = record.getMessage()
         known = (key for needle, key in _WARNINGS if needle in text)
         generic = " ".join(re.sub(r"'[^']*'", "*", text).split()[:5])
         self._counts[next(known, generic)] += 1

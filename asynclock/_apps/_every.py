@@ -97,21 +97,21 @@ async def _run_tick(
             try:
                 await func(*args)
             except Exception:
-                log.exception("asynclock: the run of %r for the tick at %s failed", name, _at(tick))
+                log.exception("the run of %r for the tick at %s failed", name, _at(tick))
     except LockBusy:
         if await redis.exists(mark):
             return  # (this tick runs on another server: our clock is late)
         log.warning(
-            "asynclock: skipped the tick of %r at %s: its previous run is still going on",
+            "skipped the tick of %r at %s: its previous run is still going on",
             name,
             _at(tick),
         )
     except LockLost as lost:
         log.error(
-            "asynclock: the run of %r for the tick at %s was stopped: %s", name, _at(tick), lost
+            "the run of %r for the tick at %s was stopped: %s", name, _at(tick), lost
         )
     except Exception:
-        log.exception("asynclock: the tick of %r at %s could not be run", name, _at(tick))
+        log.exception("the tick of %r at %s could not be run", name, _at(tick))
 
 
 def _ticks(period: object, offset: object, cron: object) -> Callable[[float], tuple[float, float]]:

@@ -253,14 +253,14 @@ def drain() -> None:
             try:
                 sink(batch)
             except Exception:
-                log.exception("asynclock: event hook %r failed on a batch of events", sink)
+                log.exception("event hook %r failed on a batch of events", sink)
 
 
 def _call(hook: EventHook, event: LeaseEvent) -> None:
     try:
         hook(event)
     except Exception:
-        log.exception("asynclock: event hook %r failed on %s", hook, event.kind)
+        log.exception("event hook %r failed on %s", hook, event.kind)
 
 
 _ACQUIRED = LeaseEventKind.ACQUIRED

@@ -232,7 +232,7 @@ class FairAcquisition:
             raise
         except Exception as exc:
             log.warning(
-                "asynclock: could not leave the queue of the fair lock %r (%r); the place "
+                "could not leave the queue of the fair lock %r (%r); the place "
                 "lapses within %gs, and a lock it took expires by its TTL",
                 options.name,
                 exc,

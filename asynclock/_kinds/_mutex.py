@@ -279,7 +279,7 @@ class Acquisition:
             return True
         self._landed = True
         log.warning(
-            "asynclock: acquire of %r took %.3fs of a %.3fs ttl; refreshing before use",
+            "acquire of %r took %.3fs of a %.3fs ttl; refreshing before use",
             self._options.name,
             self._loop.time() - t_send,
             ttl,
@@ -421,7 +421,7 @@ class Acquisition:
             raise
         except Exception as exc:
             log.warning(
-                "asynclock: could not undo an acquire attempt of %r that may have landed "
+                "could not undo an acquire attempt of %r that may have landed "
                 "(%r); if it did, its key expires by its TTL",
                 options.name,
                 exc,
@@ -455,4 +455,4 @@ async def unregister(companion: Companion, options: LeaseOptions) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        log.debug("asynclock: could not unregister a wait for %r: %r", options.name, exc)
+        log.debug("could not unregister a wait for %r: %r", options.name, exc)

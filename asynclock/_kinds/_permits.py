@@ -161,7 +161,7 @@ class PermitAcquisition:
         self._landed = left < options.ttl / 3
         if self._landed:
             log.warning(
-                "asynclock: acquire of a permit of %r took %.3fs of a %.3fs ttl; "
+                "acquire of a permit of %r took %.3fs of a %.3fs ttl; "
                 "refreshing before use",
                 options.name,
                 self._loop.time() - t_send,
@@ -258,7 +258,7 @@ class PermitAcquisition:
             raise
         except Exception as exc:
             log.warning(
-                "asynclock: could not undo an acquire of a permit of %r that may have "
+                "could not undo an acquire of a permit of %r that may have "
                 "landed (%r); if it did, the permit expires by its TTL",
                 options.name,
                 exc,

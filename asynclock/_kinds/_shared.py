@@ -222,7 +222,7 @@ class SharedAcquisition:
             raise
         except Exception as exc:
             log.warning(
-                "asynclock: could not undo a shared acquire of %r that may have landed "
+                "could not undo a shared acquire of %r that may have landed "
                 "(%r); if it did, it expires by its TTL",
                 options.name,
                 exc,

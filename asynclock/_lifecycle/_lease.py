@@ -599,7 +599,7 @@ class Lease:
 
     def _fail(self, cause: BaseException) -> None:
         self._lose(LossReason.WATCHDOG_FAILED, cause)  # (first: logging may raise)
-        log.error("asynclock: the watchdog of %r failed", self.name, exc_info=cause)
+        log.error("the watchdog of %r failed", self.name, exc_info=cause)
 
     def _suspect(self, cause: BaseException) -> None:
         if self._state in _ACTIVE:
@@ -617,7 +617,7 @@ class Lease:
             self._scope.cancel()  # (once the block is exiting, nothing is left to cancel)
         for guard in self._guards or ():
             guard.cancel()
-        log.warning("asynclock: lease %r lost: %s", self.name, reason.value)
+        log.warning("lease %r lost: %s", self.name, reason.value)
         self._event(LeaseEventKind.LOST, reason.value)
 
     def _not_confirmed(self) -> None:

@@ -137,7 +137,7 @@ async def release(held: Held, *, shielded: bool) -> Wake:
         raise
     except Exception as exc:
         log.warning(
-            "asynclock: release of %r did not complete (%r); its key expires by its TTL",
+            "release of %r did not complete (%r); its key expires by its TTL",
             held.name,
             exc,
         )
@@ -183,7 +183,7 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
             async with asyncio.timeout_at(deadline):
                 reply = await STORE(companion.overflow(), keys, full, asking=asking)
         except UNKNOWN_OUTCOME as exc:
-            log.debug("asynclock: storing the result of %r failed (%r), retrying", held.name, exc)
+            log.debug("storing the result of %r failed (%r), retrying", held.name, exc)
             first = False
             async with asyncio.timeout_at(deadline):
                 reply = await STORE(companion.overflow(), keys, full, asking=asking)
@@ -195,7 +195,7 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
         raise
     except Exception as exc:
         log.warning(
-            "asynclock: the result of %r may not have been stored (%r); its lease expires "
+            "the result of %r may not have been stored (%r); its lease expires "
             "by its TTL, after which a duplicate may run the job again",
             held.name,
             exc,
@@ -299,7 +299,7 @@ async def _send_release(
         companion = held._companion
         reply = await script(companion.lane, keys, args, deadline, asking=held._asking)
     except UNKNOWN_OUTCOME as exc:
-        log.debug("asynclock: release of %r failed (%r), retrying", held.name, exc)
+        log.debug("release of %r failed (%r), retrying", held.name, exc)
         first = False
         if successor is not None:  # the first run may have registered us as waiting
             room.set_registered(options.channel, True)
@@ -357,7 +357,7 @@ async def unretain(companion: Companion) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.debug("asynclock: closing side connections failed: %r", exc)
+            log.debug("closing side connections failed: %r", exc)
 
 
 async def after_release(held: Held, wake: Wake) -> None:

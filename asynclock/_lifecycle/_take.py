@@ -134,7 +134,7 @@ async def _take_on_cluster(
                 await reload_slots(cluster)
             except (RedisError, RedisClusterException) as exc:
                 # (the next attempt goes by the map as it is, and tells what is wrong)
-                log.debug("asynclock: reloading the cluster's slot map failed: %r", exc)
+                log.debug("reloading the cluster's slot map failed: %r", exc)
 
 
 async def _take(

@@ -219,7 +219,7 @@ async def run_idempotent(
     try:
         return await script(client, keys, args)
     except UNKNOWN_OUTCOME as exc:
-        log.debug("asynclock: %s failed on the caller's client (%r), retrying", script.name, exc)
+        log.debug("%s failed on the caller's client (%r), retrying", script.name, exc)
         return await script(fallback(), keys, args)
 
 

@@ -234,7 +234,7 @@ class Companion:
             raise
         except Exception as exc:
             log.warning(
-                "asynclock: could not give back %s, granted to a waiter that left (%r); "
+                "could not give back %s, granted to a waiter that left (%r); "
                 "it expires by its TTL",
                 key,
                 exc,
@@ -297,13 +297,13 @@ async def _warn_if_evicting(client: Redis) -> None:
         async with asyncio.timeout(2.0):
             config = await client.config_get("maxmemory*")
     except Exception as exc:  # (a background task's: nothing may go unretrieved)
-        log.debug("asynclock: could not read the eviction policy: %r", exc)
+        log.debug("could not read the eviction policy: %r", exc)
         return
     settings = {_text(k): _text(v) for k, v in config.items()}
     policy = settings.get("maxmemory-policy", "noeviction")
     if policy != "noeviction" and settings.get("maxmemory", "0") not in ("0", ""):
         log.warning(
-            "asynclock: this Redis runs with maxmemory-policy %s, so it may evict lock keys "
+            "this Redis runs with maxmemory-policy %s, so it may evict lock keys "
             "under memory pressure and let two holders overlap; use noeviction for locks",
             policy,
         )

@@ -66,7 +66,7 @@ async def follow_primary(
         async with asyncio.timeout_at(deadline):
             address: tuple[str, int] = await pool.get_master_address()  # type: ignore[no-untyped-call]
     except (RedisError, OSError, TimeoutError) as exc:
-        log.debug("asynclock: no sentinel said where the primary is: %r", exc)
+        log.debug("no sentinel said where the primary is: %r", exc)
         return
     home = lane.home = (address[0], int(address[1]))
     connections = [] if subscription is None else [subscription]
@@ -80,4 +80,4 @@ async def follow_primary(
             try:
                 await connection.disconnect(nowait=True)
             except Exception as exc:  # (it fails again at its next use, and reconnects)
-                log.debug("asynclock: closing a connection to the old primary: %r", exc)
+                log.debug("closing a connection to the old primary: %r", exc)

@@ -313,7 +313,7 @@ class WaitingRoom:
             async with asyncio.timeout(limit):
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.debug("asynclock: subscription to %s not confirmed: %r", channel, exc)
+            log.debug("subscription to %s not confirmed: %r", channel, exc)
             if self._pending.get(channel) is not None and not self._pending[channel].done():
                 # (the next subscribe sends it again, rather than waiting on this one)
                 self._pending.pop(channel).set_result(False)
@@ -383,12 +383,12 @@ class WaitingRoom:
                 # A refused (S)SUBSCRIBE: on a cluster node, MOVED for a slot that moved
                 # away. The connection is fine; its waiters fall back on the holder's
                 # time left, and their next attempt finds the slot's new owner.
-                log.debug("asynclock: a subscription was refused: %r", exc)
+                log.debug("a subscription was refused: %r", exc)
                 self._heard = loop.time()
                 self._forget_unconfirmed()
                 continue
             except (RedisError, OSError) as exc:
-                log.debug("asynclock: wake-up subscription broken: %r", exc)
+                log.debug("wake-up subscription broken: %r", exc)
                 self._healthy = False
                 self._acked.clear()
                 self._inflight.clear()
@@ -481,7 +481,7 @@ class WaitingRoom:
                 return
             token, fence, t_offer = raw_token.decode(), int(raw_fence), float(raw_time)
         except ValueError:
-            log.debug("asynclock: unexpected message on %s: %r", channel, payload)
+            log.debug("unexpected message on %s: %r", channel, payload)
             return
         # (The releaser dropped our registration, but an attempt of ours may have written
         # a new one since, its reply read before this: ``_registered`` stays as it is, a

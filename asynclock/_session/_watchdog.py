@@ -123,7 +123,7 @@ def report_stall(lease: Watched, due: float, now: float, what: str) -> None:
     late = now - due
     if late > max(0.1, lease.ttl / 6):
         log.warning(
-            "asynclock: event loop stall of %.3fs detected (%s of lease %r ran late); "
+            "event loop stall of %.3fs detected (%s of lease %r ran late); "
             "nothing that does not await can be interrupted, so the guarded work may have "
             "overlapped another holder: rely on the fencing token",
             late,
