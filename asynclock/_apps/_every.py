@@ -107,9 +107,7 @@ async def _run_tick(
             _at(tick),
         )
     except LockLost as lost:
-        log.error(
-            "the run of %r for the tick at %s was stopped: %s", name, _at(tick), lost
-        )
+        log.error("the run of %r for the tick at %s was stopped: %s", name, _at(tick), lost)
     except Exception:
         log.exception("the tick of %r at %s could not be run", name, _at(tick))
 

@@ -161,8 +161,7 @@ class PermitAcquisition:
         self._landed = left < options.ttl / 3
         if self._landed:
             log.warning(
-                "acquire of a permit of %r took %.3fs of a %.3fs ttl; "
-                "refreshing before use",
+                "acquire of a permit of %r took %.3fs of a %.3fs ttl; refreshing before use",
                 options.name,
                 self._loop.time() - t_send,
                 options.ttl,

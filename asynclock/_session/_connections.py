@@ -234,8 +234,7 @@ class Companion:
             raise
         except Exception as exc:
             log.warning(
-                "could not give back %s, granted to a waiter that left (%r); "
-                "it expires by its TTL",
+                "could not give back %s, granted to a waiter that left (%r); it expires by its TTL",
                 key,
                 exc,
             )
