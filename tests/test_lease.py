@@ -471,3 +471,19 @@ async def test_repr_shows_state(client: Redis, prefix: str):
         assert 9 < lock.time_left <= 10
     assert "RELEASED" in repr(lock)
     assert lock.time_left == 0.0
+
+
+async def test_state_reads_lost_once_the_deadline_passed_before_its_timer_ran(
+    client: Redis, prefix: str
+):
+    """A stall past the safe deadline: ``state`` and ``lost_reason`` say LOST at once,
+    before the loop has run the deadline's timer; the block then ends in LockLost."""
+    with pytest.raises(LockLost) as caught:
+        async with asynclock.lease(client, "stalled", ttl=0.6, prefix=prefix) as lock:
+            assert lock.state is LeaseState.HELD
+            time.sleep(0.7)  # noqa: ASYNC251 - the stall under test
+            seen = (lock.state, lock.lost_reason)
+            await asyncio.sleep(0)
+    assert seen == (LeaseState.LOST, LossReason.DEADLINE)
+    assert caught.value.reason is LossReason.DEADLINE
+    assert lock.state is LeaseState.LOST

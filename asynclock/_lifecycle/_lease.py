@@ -172,11 +172,18 @@ class Lease:
 
     @property
     def state(self) -> LeaseState:
+        """Where the lease stands now: ``LOST`` as soon as the safe deadline has passed,
+        even if a stalled loop has not yet run the deadline's timer (which then cancels
+        the block)."""
+        if self._past_deadline():
+            return LeaseState.LOST
         return self._state
 
     @property
     def lost_reason(self) -> LossReason | None:
         """Why the lease was lost, or None while it is not ``LOST``."""
+        if self._past_deadline():
+            return LossReason.DEADLINE
         return self._lost_reason
 
     @property
@@ -363,6 +370,10 @@ class Lease:
     @property
     def _state_active(self) -> bool:
         return self._state in _ACTIVE
+
+    def _past_deadline(self) -> bool:
+        """Still active, but the safe deadline has passed (its timer not run yet)."""
+        return self._state in _ACTIVE and self._companion.loop.time() >= self._safe_until
 
     def _held_locally(self) -> bool:
         return self._state in _ACTIVE and self._companion.loop.time() < self._safe_until
