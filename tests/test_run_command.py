@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from redis import Redis as SyncRedis
 
-from asynclock.testing import RedisServer, ServerInfo
+from asynclock.testing import FaultProxy, ProxyMode, RedisServer, ServerInfo
 
 EXIT_LOST = 75
 
@@ -72,6 +73,88 @@ def test_runs_the_command_and_exits_with_its_status(
     assert code == 3
     assert marker.read_text() == "x"
     assert SyncRedis.from_url(redis_server.url).exists(f"asynclock:{{{prefix}job}}") == 0
+
+
+def test_a_short_command_returns_at_once(redis_server: ServerInfo, prefix: str) -> None:
+    """The command's exit ends the run and frees the lock at once, not at the next
+    renewal (ttl/3 = 10 s here)."""
+    started = time.monotonic()
+    code, err = _finish(_run(redis_server.url, f"{prefix}short", "--", "true"))
+    took = time.monotonic() - started
+    assert code == 0, err
+    assert took < 5, took
+    assert SyncRedis.from_url(redis_server.url).exists(f"asynclock:{{{prefix}short}}") == 0
+
+
+# A command that ignores SIGTERM and appends the time to a file every 10 ms.
+_STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(sys.argv[1], "a") as out:
+    while True:
+        out.write(f"{time.time()!r}\\n")
+        out.flush()
+        time.sleep(0.01)
+"""
+
+# A command that appends the time to a file once.
+_ONCE = "import sys, time; open(sys.argv[1], 'a').write(f'{time.time()!r}\\n')"
+
+
+async def _exec_run(url: str, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "asynclock",
+        "run",
+        *args,
+        env={**os.environ, "REDIS_URL": url},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _written(path: Path) -> None:
+    while not (path.exists() and path.read_text().strip()):
+        await asyncio.sleep(0.02)
+
+
+async def test_a_silent_holder_stops_its_command_before_another_machine_runs(
+    private_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """The holder's connection black-holed, its command ignoring SIGTERM, a second
+    machine waiting: the first command's last write comes before the second's first."""
+    first_log, second_log = tmp_path / "first", tmp_path / "second"
+    name = f"{prefix}silent-holder"
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        first = await _exec_run(
+            proxy.url, name, "--ttl", "4", "--grace", "1.2", "--",
+            sys.executable, "-c", _STUBBORN, str(first_log),
+        )  # fmt: skip
+        second = None
+        try:
+            async with asyncio.timeout(15):
+                await _written(first_log)
+            proxy.set_mode(ProxyMode.BLACKHOLE)
+            second = await _exec_run(
+                private_server.url, name, "--ttl", "4", "--wait", "30", "--",
+                sys.executable, "-c", _ONCE, str(second_log),
+            )  # fmt: skip
+            async with asyncio.timeout(30):
+                first_code = await first.wait()
+                second_code = await second.wait()
+        finally:
+            for process in (first, second):
+                if process is not None and process.returncode is None:
+                    process.kill()
+                    await process.wait()
+    first_err = (await first.stderr.read()).decode() if first.stderr else ""
+    assert first_code == EXIT_LOST, first_err
+    assert "renewals" in first_err and "failing" in first_err, first_err
+    assert second_code == 0
+    last_of_first = max(float(line) for line in first_log.read_text().split())
+    first_of_second = min(float(line) for line in second_log.read_text().split())
+    assert last_of_first < first_of_second, (last_of_first, first_of_second)
 
 
 @pytest.mark.parametrize("busy_exit", [None, "9"])

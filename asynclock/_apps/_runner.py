@@ -5,9 +5,10 @@ Design note. The command runs as a child process while the lease is held. Its ex
 status becomes ours. If the lock is busy the command is not run (exit ``--busy-exit``,
 0 by default: another machine has this run). The child must be gone before another
 holder could take the lock, so it is stopped ahead of the lease's safe deadline: while
-renewals fail (SUSPECT), it gets SIGTERM ``grace + margin`` seconds before that deadline
-and SIGKILL ``margin`` seconds before it; once the lease is lost outright (the key is not
-ours any more) both come at once, the second after ``grace``. SIGTERM and SIGINT sent to
+renewals fail (the lease turns SUSPECT), it gets SIGTERM at once and SIGKILL ``grace``
+seconds later, or ``margin`` seconds before that deadline if that comes first; once the
+lease is lost outright (the key is not ours any more) SIGTERM comes at once and SIGKILL
+``grace`` later. The command's exit ends the lease at once. SIGTERM and SIGINT sent to
 us are passed on to the child, whose status we then return.
 """
 
@@ -107,7 +108,8 @@ async def run_command(config: RunConfig) -> int:
 
 
 async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> int:
-    """Start the child and wait for it; stop it ahead of the lease's safe deadline."""
+    """Start the child and wait for it, returning as soon as it exits; once renewals
+    fail, stop it at once, so that it is gone before the lease's safe deadline."""
     try:
         child = await asyncio.create_subprocess_exec(*config.command)
     except OSError as exc:
@@ -115,39 +117,41 @@ async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> 
         return 127 if isinstance(exc, FileNotFoundError) else 126
     loop = asyncio.get_running_loop()
     forwarded = _forward_signals(loop, child)
-    grace = config.kill_grace
+    exited = asyncio.ensure_future(child.wait())
+    stopping = False  # (SIGTERM sent: a loss arriving now kills without more grace)
     try:
-        exited = asyncio.ensure_future(child.wait())
         while not exited.done():
             changed.clear()
             if held.state is LeaseState.SUSPECT:
-                # Renewals fail: the child must be gone before the safe deadline.
-                term_at = held.safe_until - grace - _MARGIN
-                if loop.time() >= term_at:
-                    _say(
-                        f"renewals of the lease {config.name!r} are failing; stopping the "
-                        "command before the lease's safe deadline"
-                    )
-                    await _stop(child, exited, grace)
-                    return EXIT_LOST
-                wait_for = term_at - loop.time()
-            else:
-                wait_for = None
+                _say(
+                    f"renewals of the lease {config.name!r} are failing; stopping the "
+                    "command before the lease's safe deadline"
+                )
+                stopping = True
+                with anyio.CancelScope(shield=True):  # (the deadline bounds it anyway)
+                    await _stop(child, exited, _kill_after(config, held, loop))
+                return EXIT_LOST
             notice = asyncio.ensure_future(changed.wait())
             try:
-                await asyncio.wait({exited, notice}, timeout=wait_for)
+                await asyncio.wait({exited, notice}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 notice.cancel()
-        return _status(await exited)
+        return _status(exited.result())
     except asyncio.CancelledError:
         # The lease was lost (LockLost follows) or we were cancelled: stop the child
-        # first, shielded, within the grace.
+        # first, shielded, within the grace (none left once SIGTERM was sent).
         with anyio.CancelScope(shield=True):
-            await _stop(child, asyncio.ensure_future(child.wait()), grace)
+            await _stop(child, exited, 0.0 if stopping else config.kill_grace)
         raise
     finally:
         for signum in forwarded:
             loop.remove_signal_handler(signum)
+
+
+def _kill_after(config: RunConfig, held: Lease, loop: asyncio.AbstractEventLoop) -> float:
+    """Seconds from now to SIGKILL: ``--grace``, cut short so that the child is gone
+    ``_MARGIN`` seconds before the lease's safe deadline."""
+    return max(0.0, min(config.kill_grace, held.safe_until - _MARGIN - loop.time()))
 
 
 async def _stop(
