@@ -38,6 +38,7 @@ from ._base._exceptions import LockError as LockError
 from ._base._exceptions import LockLost as LockLost
 from ._base._exceptions import LossReason as LossReason
 from ._base._exceptions import ReplicationTimeout as ReplicationTimeout
+from ._base._exceptions import ResultNotStored as ResultNotStored
 from ._lifecycle._context import LeaseContext as LeaseContext
 from ._lifecycle._context import acquire as acquire
 from ._lifecycle._context import lease as lease
@@ -70,6 +71,7 @@ __all__ = [
     "LossReason",
     "RedlockLease",
     "ReplicationTimeout",
+    "ResultNotStored",
     "Serializer",
     "acquire",
     "every",

@@ -33,6 +33,7 @@ def test_public_names_are_pinned() -> None:
         "LossReason",
         "RedlockLease",
         "ReplicationTimeout",
+        "ResultNotStored",
         "Serializer",
         "acquire",
         "every",
@@ -54,9 +55,11 @@ def test_exception_tree() -> None:
         asynclock.LockBusy,
         asynclock.AcquireTimeout,
         asynclock.IdempotencyConflict,
+        asynclock.ResultNotStored,
     ):
         assert issubclass(error, asynclock.LockError)
     assert issubclass(asynclock.IdempotencyConflict, ValueError)
+    assert issubclass(asynclock.ResultNotStored, TypeError)  # (once() raised TypeError)
     assert issubclass(asynclock.AcquireTimeout, TimeoutError)
     assert asynclock.LockLost.__module__ == "asynclock"
 
@@ -73,6 +76,9 @@ def test_errors_pickle_round_trip() -> None:
     conflict = asynclock.LimitConflict("api", "held with limit=3, not 4")
     again = pickle.loads(pickle.dumps(conflict))
     assert (again.name, again.detail, str(again)) == ("api", conflict.detail, str(conflict))
+    unstored = asynclock.ResultNotStored("charge:42", "TypeError: not JSON serializable")
+    back = pickle.loads(pickle.dumps(unstored))
+    assert (back.key, back.cause, str(back)) == ("charge:42", unstored.cause, str(unstored))
 
 
 @pytest.fixture

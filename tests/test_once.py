@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,15 +131,153 @@ async def test_fingerprint_conflicts(client: Redis, prefix: str) -> None:
     assert job.calls == 1
 
 
-async def test_an_unserializable_result_stores_nothing(client: Redis, prefix: str) -> None:
-    """TypeError in the caller that ran func; nothing stored, no lease key left."""
+async def test_an_unserializable_result_is_never_run_again(client: Redis, prefix: str) -> None:
+    """A result JSON cannot encode (a datetime): the job's effect ran once; its caller
+    and every duplicate get ResultNotStored naming the cause, none runs it again; the
+    lease is given back (duplicates do not wait for its TTL); forget() allows a rerun."""
+    charges: list[int] = []
 
-    async def unserializable() -> object:
-        return {1, 2}
+    async def charge(order: int) -> object:
+        charges.append(order)  # the effect, before the result that cannot be stored
+        return {"order": order, "at": datetime.now(UTC)}
 
-    with pytest.raises(TypeError, match="cannot be serialized"):
-        await asynclock.once(client, "bad", unserializable, prefix=prefix)
-    assert not await client.exists(f"{prefix}{{bad}}", f"{prefix}{{bad}}:result")
+    with pytest.raises(asynclock.ResultNotStored, match="datetime") as first:
+        await asynclock.once(client, "pay", charge, 42, ttl=30, prefix=prefix)
+    assert isinstance(first.value, TypeError)  # (what once() raised before: still caught)
+    assert isinstance(first.value.__cause__, TypeError)
+    assert not await client.exists(f"{prefix}{{pay}}")  # the lease given back
+    started = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(asynclock.ResultNotStored) as again:
+            await asynclock.once(client, "pay", charge, 42, ttl=30, prefix=prefix)
+        assert again.value.cause == first.value.cause
+        assert again.value.key == "pay"
+    assert time.monotonic() - started < 5  # (at once, not after the lease's ttl)
+    assert charges == [42]
+    assert 0 < await client.pttl(f"{prefix}{{pay}}:result") <= 86_400_000
+    assert await asynclock.forget(client, "pay", prefix=prefix)
+    with pytest.raises(asynclock.ResultNotStored):
+        await asynclock.once(client, "pay", charge, 43, prefix=prefix)
+    assert charges == [42, 43]
+
+
+async def test_a_duplicate_waiting_for_an_unstorable_result_is_not_run(
+    client: Redis, prefix: str
+) -> None:
+    """A duplicate that waited while the job ran is woken and gets ResultNotStored; a
+    fingerprint kept with the marker still refuses another payload."""
+    runs: list[int] = []
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def job(value: int) -> object:
+        runs.append(value)
+        started.set()
+        await go.wait()
+        return {value}  # (a set: JSON cannot encode it)
+
+    runner = asyncio.create_task(
+        asynclock.once(client, "w", job, 1, fingerprint="a", prefix=prefix)
+    )
+    await started.wait()
+    duplicate = asyncio.create_task(
+        asynclock.once(client, "w", job, 2, fingerprint="a", prefix=prefix)
+    )
+    await asyncio.sleep(0.1)  # (let it wait)
+    go.set()
+    with pytest.raises(asynclock.ResultNotStored, match="set"):
+        await runner
+    with pytest.raises(asynclock.ResultNotStored, match="set"):
+        await asyncio.wait_for(duplicate, 10)
+    with pytest.raises(asynclock.IdempotencyConflict):
+        await asynclock.once(client, "w", job, 3, fingerprint="b", prefix=prefix)
+    assert runs == [1]
+
+
+async def test_every_caller_gets_what_the_serializer_reads_back(client: Redis, prefix: str) -> None:
+    """A tuple comes back as a list (and int keys as str) to the caller that ran the job
+    and to duplicates alike."""
+
+    async def job() -> object:
+        return {1: (1, "a")}
+
+    first = await asynclock.once(client, "tuple", job, prefix=prefix)
+    again = await asynclock.once(client, "tuple", job, prefix=prefix)
+    assert first == again == {"1": [1, "a"]}
+
+
+async def test_a_serializer_that_cannot_read_its_own_output(client: Redis, prefix: str) -> None:
+    """loads() fails on what dumps() wrote: found before storing, a marker kept instead,
+    the job not run again."""
+    runs: list[str] = []
+
+    class OneWay:
+        def dumps(self, obj: Any) -> str:
+            return repr(obj)
+
+        def loads(self, data: bytes) -> Any:
+            raise ValueError("cannot parse a repr")
+
+    async def job() -> str:
+        runs.append("ran")
+        return "x"
+
+    for _ in range(2):
+        with pytest.raises(asynclock.ResultNotStored, match="cannot parse a repr"):
+            await asynclock.once(client, "oneway", job, serializer=OneWay(), prefix=prefix)
+    assert runs == ["ran"]
+
+
+async def test_bytes_a_text_client_cannot_read_back(
+    make_client: Callable[..., Redis], redis_server: ServerInfo, prefix: str
+) -> None:
+    """A serializer writing bytes that are not UTF-8, through a decode_responses=True
+    client: duplicates could never decode them; a marker is kept, nothing runs twice."""
+    client = make_client(redis_server.url, decode_responses=True)
+    runs: list[str] = []
+
+    class Raw:
+        def dumps(self, obj: Any) -> bytes:
+            return b"\xff\xfe"
+
+        def loads(self, data: bytes) -> Any:
+            return data
+
+    async def job() -> str:
+        runs.append("ran")
+        return "x"
+
+    for _ in range(2):
+        with pytest.raises(asynclock.ResultNotStored, match="UnicodeDecodeError"):
+            await asynclock.once(client, "raw", job, serializer=Raw(), prefix=prefix)
+    assert runs == ["ran"]
+
+
+@pytest.mark.parametrize("storable", [True, False], ids=["result", "marker"])
+async def test_cancelled_once_the_job_ran_it_is_not_run_again(
+    client: Redis, prefix: str, storable: bool
+) -> None:
+    """The caller is cancelled right after func returned, while its result (or marker)
+    is being stored: the store completes (shielded), the caller gets CancelledError, and
+    a duplicate gets the result (or ResultNotStored), without running func again."""
+    runs: list[int] = []
+    returned = asyncio.Event()
+
+    async def job() -> object:
+        runs.append(1)
+        asyncio.get_running_loop().call_soon(returned.set)
+        return "ok" if storable else datetime.now(UTC)
+
+    runner = asyncio.create_task(asynclock.once(client, "mid", job, prefix=prefix))
+    await returned.wait()
+    runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+    if storable:
+        assert await asynclock.once(client, "mid", job, prefix=prefix) == "ok"
+    else:
+        with pytest.raises(asynclock.ResultNotStored):
+            await asynclock.once(client, "mid", job, prefix=prefix)
+    assert runs == [1]
 
 
 async def test_a_serializer_of_ones_own(client: Redis, prefix: str) -> None:

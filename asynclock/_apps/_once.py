@@ -12,6 +12,14 @@ lease is released as any other (a waiting duplicate may be handed it and run ``f
 a failure is never stored. The result lives in the hash ``<prefix>{key}:result``
 (``v``: the payload, ``f``: the fingerprint's digest); while the job runs, the digest is
 kept in the lease's value too, so a conflicting duplicate is refused at once.
+
+A job that ran must not run again because its result could not be stored. Before the
+payload is stored, it is read back as a duplicate would read it (``loads`` of what the
+client returns), and that is what the caller gets: a payload that would break every
+duplicate is found here, after the job but before anything is written. Then, instead of
+the result, the STORE script keeps a marker (``e``: why) in the same hash, and every call
+raises ``ResultNotStored`` until it expires or is forgotten (a job whose effects ran is
+never run twice on that account).
 """
 
 from __future__ import annotations
@@ -23,9 +31,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
-from .._base._exceptions import IdempotencyConflict, LockLost, LossReason
+from .._base._exceptions import IdempotencyConflict, LockLost, LossReason, ResultNotStored
 from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
-from .._kinds._mutex import Job, JobConflict, JobDone
+from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
 from .._lifecycle._take import take
 from .._redis._lane import encoding_of
 
@@ -35,6 +43,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _RESULT_SUFFIX = ":result"
+_MAX_CAUSE = 500  # characters of a marker's cause kept (an error may quote a large object)
 
 
 @runtime_checkable
@@ -48,7 +57,11 @@ class Serializer(Protocol):
 
 
 class _Json:
-    """The default serializer: what ``json`` round-trips."""
+    """The default serializer: JSON, without NaN or infinities. What ``loads`` gives back:
+    ``dict`` (its keys as ``str``: ``{1: x}`` comes back as ``{"1": x}``), ``list`` for a
+    ``list`` or a ``tuple``, ``str``, ``int``, ``float``, ``bool``, ``None``, nested as
+    deep as ``json`` goes. Anything else (``datetime``, ``Decimal``, ``set``, ``bytes``, a
+    dataclass, NaN) cannot be encoded."""
 
     def dumps(self, obj: Any, /) -> str:
         return json.dumps(obj, separators=(",", ":"), allow_nan=False)
@@ -73,12 +86,24 @@ async def once(
     serializer: Serializer | None = None,
 ) -> T:
     """Run ``await func(*args)`` once for ``key`` across every process, and return its
-    result; a duplicate call returns the stored result instead of running it again.
+    result as stored; a duplicate call returns the stored result instead of running it
+    again.
 
     - A result stored for ``key`` is returned at once (one round trip), deserialized.
     - Otherwise the caller takes the lease ``key`` (watchdog, safe deadline, loss
       cancels ``func``) and runs ``func``; on success the result is stored (for
       ``result_ttl`` seconds) and the lease released in one owner-checked step.
+    - Every caller, the one that ran ``func`` included, gets the stored result as the
+      serializer reads it back (``loads(dumps(result))``), not the object ``func``
+      returned: with the default JSON serializer a ``tuple`` comes back as a ``list`` and
+      ``dict`` keys as ``str`` to all of them alike, so the code that handles the result
+      is tested by its first run, and a result the serializer cannot read back is found
+      before it is stored.
+    - The result cannot be stored (the serializer refuses it, cannot read its own output
+      back, or returns bytes a ``decode_responses=True`` client cannot decode): a marker
+      that the job ran is stored instead, for ``result_ttl`` seconds, and this call and
+      every later one for ``key`` raise ``ResultNotStored`` naming the cause; ``func`` is
+      not run again until the marker expires or :func:`forget` deletes it.
     - Duplicates that arrive meanwhile, in any process, wait, are woken when the result is
       stored (or the lease given back), and return the stored result.
     - ``func`` raises: its caller gets the exception, nothing is stored, and a waiting
@@ -95,17 +120,21 @@ async def once(
             same key with another fingerprint, while the job runs or once it finished,
             raises ``IdempotencyConflict``. None checks nothing.
         blocking_timeout: the most seconds to wait for a result or the lease; None waits.
-        serializer: JSON by default; any object with ``dumps(obj) -> bytes | str`` and
-            ``loads(data: bytes) -> obj``. With a ``decode_responses=True`` client the
-            payload must be text in the client's encoding.
+        serializer: JSON by default (what it returns: a ``list`` for a ``tuple``, ``str``
+            keys; ``datetime``, ``Decimal``, ``set``, ``bytes`` and the like cannot be
+            encoded); any object with ``dumps(obj) -> bytes | str`` and
+            ``loads(data: bytes) -> obj``, checked before any I/O. With a
+            ``decode_responses=True`` client the payload must be text in the client's
+            encoding.
 
     Raises:
         IdempotencyConflict: another fingerprint was stored for ``key``; ``func`` not run.
+        ResultNotStored: the job ran (in this call or an earlier one) but its result could
+            not be stored; ``cause`` says why. Also a ``TypeError``.
         AcquireTimeout: neither a result nor the lease came within ``blocking_timeout``.
         LockLost: the lease was lost while ``func`` ran (it was cancelled), or before its
             result could be stored: nothing was stored.
-        TypeError: the result cannot be serialized (nothing stored, the lease given
-            back), or an argument has the wrong type (before any I/O, as ``ValueError``).
+        TypeError: an argument has the wrong type (before any I/O, as ``ValueError``).
         redis.exceptions.RedisError: Redis refused or could not be reached.
         Whatever ``func`` raised.
     """
@@ -118,6 +147,8 @@ async def once(
     job = Job(options.key + _RESULT_SUFFIX, digest)
     try:
         held = await take(redis, options, None, job)
+    except JobUnstored as marker:
+        raise ResultNotStored(key, _text(marker.payload, redis)) from None
     except JobDone as done:
         return codec.loads(_as_bytes(done.payload, redis))  # type: ignore[no-any-return]
     except JobConflict:
@@ -126,16 +157,28 @@ async def once(
     try:
         async with held.guard():
             result = await func(*args)
-        payload = _dumps(codec, result)
     except BaseException:
         await held.release()  # (a loss is the error in flight's note, or LockLost)
         raise
+    # From here on the job has run: whatever happens, it must not run again.
+    unstored: Exception | None = None
+    try:
+        payload = _dumps(codec, result)
+        value = codec.loads(_read_back(payload, redis))
+    except Exception as exc:  # (a duplicate could not read it: keep a marker instead)
+        unstored = exc
+        cause = f"{type(exc).__name__}: {exc}"[:_MAX_CAUSE]
+        payload, field = cause, "e"
+    else:
+        field = "v"
     stored = await held._store_and_release(
-        [options.key, job.result_key], [payload, result_ms, digest]
+        [options.key, job.result_key], [payload, result_ms, digest, field]
     )
     if stored is False:
         raise LockLost(key, LossReason.NOT_OWNER, "the result was not stored")
-    return result
+    if unstored is not None:
+        raise ResultNotStored(key, cause) from unstored
+    return value  # type: ignore[no-any-return]
 
 
 def idempotent(
@@ -225,17 +268,40 @@ def _codec(serializer: object) -> Serializer:
 
 
 def _dumps(codec: Serializer, result: object) -> bytes | str:
-    try:
-        payload = codec.dumps(result)
-    except Exception as exc:
-        raise TypeError(
-            f"the result of the job cannot be serialized ({exc}); nothing was stored"
-        ) from exc
+    """``codec.dumps(result)``, checked.
+
+    Raises:
+        TypeError: ``dumps`` returned neither ``bytes`` nor ``str``.
+        Whatever ``dumps`` raised (``TypeError``, ``ValueError``, ...).
+    """
+    payload = codec.dumps(result)
     if not isinstance(payload, bytes | str):
         raise TypeError(
             f"the serializer's dumps() returned {type(payload).__name__}, not bytes or str"
         )
     return payload
+
+
+def _read_back(payload: bytes | str, redis: Client) -> bytes:
+    """The bytes a duplicate's ``loads()`` would get for ``payload``: as the client
+    encodes it for Redis and, with ``decode_responses=True``, decodes it on the way back.
+
+    Raises:
+        UnicodeError: the payload cannot be encoded, or read back, in the client's
+            encoding (a ``decode_responses=True`` client reading bytes that are not text).
+    """
+    encoding, errors = encoding_of(redis)
+    data = payload if isinstance(payload, bytes) else payload.encode(encoding, errors)
+    if redis.get_encoder().decode_responses:
+        data = data.decode(encoding, errors).encode(encoding, errors)
+    return data
+
+
+def _text(payload: object, redis: Client) -> str:
+    """A marker's cause, as text (whatever the client's ``decode_responses``)."""
+    if isinstance(payload, bytes):
+        return payload.decode(encoding_of(redis)[0], "replace")
+    return str(payload)
 
 
 def _as_bytes(payload: object, redis: Client) -> bytes:

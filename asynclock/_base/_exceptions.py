@@ -8,8 +8,10 @@ Every error asynclock raises on purpose derives from :class:`LockError`, split b
     ├── AcquireTimeout         blocking_timeout ran out (also a builtin ``TimeoutError``)
     ├── ReplicationTimeout     min_replicas: too few replicas confirmed the acquisition in
     │                          time; the lock was given back (also a ``TimeoutError``)
-    └── IdempotencyConflict    once(): the key's job runs, or ran, with another
-                               fingerprint (also a builtin ``ValueError``)
+    ├── IdempotencyConflict    once(): the key's job runs, or ran, with another
+    │                          fingerprint (also a builtin ``ValueError``)
+    └── ResultNotStored        once(): the key's job ran, but its result could not be
+                               stored; it is not run again (also a ``TypeError``)
 
 Misuse of the API (bad arguments) raises the builtin ``TypeError`` / ``ValueError`` before
 any I/O. Errors from Redis itself (``redis.exceptions.RedisError``) pass through unchanged
@@ -30,6 +32,7 @@ __all__ = [
     "LockLost",
     "LossReason",
     "ReplicationTimeout",
+    "ResultNotStored",
 ]
 
 
@@ -132,6 +135,27 @@ class IdempotencyConflict(LockError, ValueError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.key,))
+
+
+class ResultNotStored(LockError, TypeError):
+    """``once()``: the job ``key`` ran, but its result could not be stored (``cause``: the
+    serializer refused it, could not read its own output back, or wrote bytes that a
+    ``decode_responses=True`` client cannot decode). A marker that the job ran is kept
+    instead of the result, for ``result_ttl`` seconds: the caller that ran the job and
+    every later call for ``key`` raise this error, and ``func`` is not run again, until
+    the marker expires or ``forget()`` deletes it (to run the job again on purpose)."""
+
+    def __init__(self, key: str, cause: str) -> None:
+        self.key = key
+        self.cause = cause
+        super().__init__(
+            f"the job {key!r} ran, but its result could not be stored ({cause}); it is not "
+            "run again: calls for this key raise this error until result_ttl expires or "
+            "forget() deletes the marker"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.key, self.cause))
 
 
 class LimitConflict(LockError, ValueError):

@@ -48,6 +48,7 @@ __all__ = [
     "Job",
     "JobConflict",
     "JobDone",
+    "JobUnstored",
     "register_ms",
     "unregister",
 ]
@@ -104,6 +105,11 @@ class JobDone(Exception):
     def __init__(self, payload: object) -> None:
         super().__init__("the job's result is stored")
         self.payload = payload
+
+
+class JobUnstored(JobDone):
+    """Raised by an attempt of a job that ran but whose result could not be stored: the
+    marker left instead says why (``payload``)."""
 
 
 class JobConflict(Exception):
@@ -393,9 +399,11 @@ class Acquisition:
                 raise
         raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
         status = int(raw_status)
-        if status >= 2:  # (a job's: its result is stored, or another fingerprint's)
+        if status >= 2:  # (a job's: its result, another fingerprint's, or its marker)
             if task is not None and task.cancelling() > before:
                 raise asyncio.CancelledError
+            if status == 4:
+                raise JobUnstored(raw_value)
             raise JobDone(raw_value) if status == 2 else JobConflict(raw_value)
         value = int(raw_value)
         if task is not None and task.cancelling() > before:  # (see cancel_dropped)

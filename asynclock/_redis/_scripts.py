@@ -333,16 +333,21 @@ ACQUIRE_JOB = Script(
     "acquire_job",
     _ACQUIRE_SOURCE.replace(
         "--[[job-prologue]]",
-        """-- (a job of once(): KEYS[5] its result hash {v: payload, f: fingerprint}, ARGV[8]
--- the caller's fingerprint digest ('' checks nothing), kept in the lease's value as
+        """-- (a job of once(): KEYS[5] its result hash {v: payload, f: fingerprint}, or
+-- {e: why the result was not stored, f} for a job that ran without it, ARGV[8] the
+-- caller's fingerprint digest ('' checks nothing), kept in the lease's value as
 -- '<token>:<fence>:<digest>' while the job runs; returns {2, payload} when a result is
--- stored, {3, the other digest} for a fingerprint that is not the caller's)
-local stored = redis.call('HMGET', KEYS[5], 'v', 'f')
-if stored[1] then
+-- stored, {4, why} when the job ran but its result could not be stored, {3, the other
+-- digest} for a fingerprint that is not the caller's)
+local stored = redis.call('HMGET', KEYS[5], 'v', 'f', 'e')
+if stored[1] or stored[3] then
   if ARGV[8] ~= '' and stored[2] and stored[2] ~= ARGV[8] then
     return {3, stored[2]}
   end
-  return {2, stored[1]}
+  if stored[1] then
+    return {2, stored[1]}
+  end
+  return {4, stored[3]}
 end""",
     ).replace(
         "--[[job-current]]",
@@ -362,22 +367,23 @@ STORE = Script(
 -- The end of a successful job of once(): store its result and release the lease in one
 -- owner-checked step (a holder that lost its lease stores nothing).
 -- KEYS[1] lease key, KEYS[2] result hash
--- ARGV[1] the lease's full value, ARGV[2] the payload, ARGV[3] the result's ttl (ms),
--- ARGV[4] the fingerprint digest ('' none), ARGV[5] the release channel, ARGV[6] the
--- releasing client's origin id
+-- ARGV[1] the lease's full value, ARGV[2] the payload (or why it could not be stored),
+-- ARGV[3] the result's ttl (ms), ARGV[4] the fingerprint digest ('' none), ARGV[5] the
+-- field ARGV[2] goes to ('v' a payload, 'e' the marker of a job whose result could not
+-- be stored), ARGV[6] the release channel, ARGV[7] the releasing client's origin id
 -- returns 1 when stored (the lease deleted, waiters notified), 0 when not ours
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[2])
 if ARGV[4] ~= '' then
-  redis.call('HSET', KEYS[2], 'v', ARGV[2], 'f', ARGV[4])
+  redis.call('HSET', KEYS[2], ARGV[5], ARGV[2], 'f', ARGV[4])
 else
-  redis.call('HSET', KEYS[2], 'v', ARGV[2])
+  redis.call('HSET', KEYS[2], ARGV[5], ARGV[2])
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[5], ARGV[6])
+redis.call('PUBLISH', ARGV[6], ARGV[7])
 return 1
 """,
 )
