@@ -285,6 +285,38 @@ async def _operate(args: argparse.Namespace) -> int:
         await client.aclose()
 
 
+def _add_acl(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    acl = commands.add_parser(
+        "acl",
+        help="print the ACL rules a Redis user of asynclock needs (least privilege)",
+        description=(
+            "Print the ACL SETUSER command and the ACL file line for a user that may do "
+            "what asynclock does and nothing else: its keys and channels under the "
+            "prefix, and every command it sends, those its Lua scripts call included "
+            "(Redis 7 checks those against the user too)."
+        ),
+    )
+    acl.add_argument("--prefix", default="asynclock:", help="key prefix (default asynclock:)")
+    acl.add_argument("--cluster", action="store_true", help="for a Redis Cluster (sharded pub/sub)")
+    acl.add_argument(
+        "--readonly",
+        action="store_true",
+        help="only what inspect and list need (an operator's account)",
+    )
+    acl.add_argument("--user", default="asynclock", help="the user's name (default asynclock)")
+
+
+def _acl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._apps._acl import render
+
+    try:
+        text = render(args.prefix, cluster=args.cluster, readonly=args.readonly, user=args.user)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"acl: {exc}")
+    print(text, end="")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asynclock",
@@ -293,6 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_run(commands)
     _add_operations(commands)
+    _add_acl(commands)
     commands.add_parser(
         "demo",
         help="worker processes compete for one lease; a holder is killed, a key deleted "
@@ -368,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (TypeError, ValueError) as exc:
             parser.error(f"{args.subcommand}: {exc}")
         return asyncio.run(_operate(args))
+    if args.subcommand == "acl":
+        return _acl(args, parser)
     return 2  # (unreachable: argparse knows only these commands)
 
 

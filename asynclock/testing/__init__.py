@@ -61,6 +61,7 @@ from ._servers import ExternalServer as ExternalServer
 from ._servers import RedisServer as RedisServer
 from ._servers import ServerInfo as ServerInfo
 from ._servers import ServerStartError as ServerStartError
+from ._servers import TLSFiles as TLSFiles
 from ._servers import available_engines as available_engines
 from ._servers import find_server_binary as find_server_binary
 from ._servers import resp_command as resp_command
@@ -88,6 +89,7 @@ __all__ = [
     "RedisServer",
     "ServerInfo",
     "ServerStartError",
+    "TLSFiles",
     "Value",
     "Violation",
     "available_engines",

@@ -9,6 +9,8 @@ Part of the public :mod:`asynclock.testing` kit (import from there, not from her
   it.  All of its methods are synchronous, so they work from sync pytest fixtures, from
   scripts and from inside coroutines (they block for at most a few seconds).
 * :func:`resp_command` sends one command over a raw socket, no event loop needed.
+* :class:`TLSFiles` names a server's certificate, key and CA for a server that listens
+  with TLS only (``RedisServer(tls=...)``).
 
 Only the standard library is used here.  All durations are in seconds (``float``).
 """
@@ -25,6 +27,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -40,6 +43,7 @@ __all__ = [
     "RedisServer",
     "ServerInfo",
     "ServerStartError",
+    "TLSFiles",
     "available_engines",
     "find_server_binary",
     "resp_command",
@@ -225,24 +229,52 @@ def _read_reply(stream: io.BufferedIOBase, out: bytearray) -> None:
 
 
 def resp_command(
-    host: str, port: int, *args: str | bytes | int | float, timeout: float = 2.0
+    host: str,
+    port: int,
+    *args: str | bytes | int | float,
+    timeout: float = 2.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> bytes:
     """Send one command to ``host:port`` over a fresh socket and return the raw reply.
 
     The reply is returned exactly as received (e.g. ``b"+PONG\\r\\n"`` or
     ``b"$3\\r\\nbar\\r\\n"``), nested replies included.  *timeout* (seconds) bounds the
-    connect and each socket read.
+    connect, the TLS handshake and each socket read.  With *ssl_context*, the socket
+    speaks TLS (the server's certificate checked against ``host``).
 
     Raises:
-        OSError: connecting or reading failed, or timed out (``TimeoutError``).
+        OSError: connecting or reading failed, or timed out (``TimeoutError``); an
+            ``ssl.SSLError`` when the TLS handshake fails.
         ConnectionError: the server closed the connection mid-reply.
     """
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.sendall(_encode_command(args))
-        with sock.makefile("rb") as stream:
-            out = bytearray()
-            _read_reply(stream, out)
-            return bytes(out)
+    with socket.create_connection((host, port), timeout=timeout) as raw:
+        sock = raw if ssl_context is None else ssl_context.wrap_socket(raw, server_hostname=host)
+        with sock:
+            sock.sendall(_encode_command(args))
+            with sock.makefile("rb") as stream:
+                out = bytearray()
+                _read_reply(stream, out)
+                return bytes(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSFiles:
+    """The PEM files of a server that speaks TLS (``RedisServer(tls=...)``).
+
+    ``certfile`` must name ``127.0.0.1`` (an IP subject alternative name): clients check
+    it against the address they connect to.
+    """
+
+    ca_certs: Path
+    """The certificate of the CA that signed ``certfile`` (clients trust it)."""
+    certfile: Path
+    """The server's certificate."""
+    keyfile: Path
+    """The server's private key (unencrypted)."""
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client context that trusts ``ca_certs`` only (hostnames checked)."""
+        return ssl.create_default_context(cafile=str(self.ca_certs))
 
 
 # --------------------------------------------------------------------------- #
@@ -297,6 +329,10 @@ class RedisServer:
         cluster: a Redis Cluster node (``--cluster-enabled yes``, node timeout 2 s) on a
             port whose cluster bus port (the port + 10000) was free too; join nodes with
             ``CLUSTER ADDSLOTSRANGE`` and ``CLUSTER MEET`` (see :meth:`command`).
+        tls: listen with TLS only (``--port 0 --tls-port PORT``, client certificates not
+            required; replication and the cluster bus over TLS too): :attr:`url` is then
+            ``rediss://...``, and :meth:`command` speaks TLS.  The binary must have been
+            built with TLS.
 
     Raises:
         RuntimeError: no binary for *engine* is installed.
@@ -309,8 +345,10 @@ class RedisServer:
         persistence: bool = False,
         extra_args: Sequence[str] = (),
         cluster: bool = False,
+        tls: TLSFiles | None = None,
     ) -> None:
         self._engine, self._binary = find_server_binary(engine)
+        self._tls = tls
         self._persistence = persistence
         self._cluster = cluster
         if cluster:
@@ -348,8 +386,15 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with ``tls``: the client must trust
+        ``tls.ca_certs``, e.g. with ``?ssl_ca_certs=PATH`` appended)."""
+        scheme = "redis" if self._tls is None else "rediss"
+        return f"{scheme}://{LOOPBACK}:{self.port}/0"
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        """The TLS files the server listens with (None: plain TCP)."""
+        return self._tls
 
     @property
     def pid(self) -> int | None:
@@ -483,7 +528,7 @@ class RedisServer:
         """
         if not self.is_running:
             raise RuntimeError("start the primary before creating a replica")
-        rep = RedisServer(self._engine, extra_args=self._extra_args)
+        rep = RedisServer(self._engine, extra_args=self._extra_args, tls=self._tls)
         rep._binary = self._binary
         rep._replicaof = (LOOPBACK, self.port)
         try:
@@ -500,7 +545,9 @@ class RedisServer:
         ``server.command("CONFIG", "SET", "maxmemory", "10mb")``.  *timeout* is in
         seconds (a paused server makes this raise ``TimeoutError``).
         """
-        return resp_command(LOOPBACK, self.port, *args, timeout=timeout)
+        return resp_command(
+            LOOPBACK, self.port, *args, timeout=timeout, ssl_context=self._context()
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         """Return the last *lines* lines of the server's log and stdout/stderr."""
@@ -531,12 +578,35 @@ class RedisServer:
 
     # ------------------------------------------------------------ internals
 
+    def _context(self) -> ssl.SSLContext | None:
+        return None if self._tls is None else self._tls.client_context()
+
     def _argv(self, port: int) -> list[str]:
         assert self._dir is not None
+        tls = self._tls
+        listen = ["--port", str(port)]
+        if tls is not None:
+            listen = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(port),
+                "--tls-cert-file",
+                str(tls.certfile),
+                "--tls-key-file",
+                str(tls.keyfile),
+                "--tls-ca-cert-file",
+                str(tls.ca_certs),
+                "--tls-auth-clients",
+                "no",
+                "--tls-replication",
+                "yes",
+            ]
+            if self._cluster:
+                listen += ["--tls-cluster", "yes"]
         argv = [
             self._binary,
-            "--port",
-            str(port),
+            *listen,
             "--bind",
             LOOPBACK,
             "--protected-mode",
@@ -593,7 +663,7 @@ class RedisServer:
                     f"{proc.returncode} during start\n{tail}",
                     port_in_use=in_use,
                 )
-            if self._answers(port, proc.pid):
+            if self._answers(port, proc.pid, self._context()):
                 return
             if time.monotonic() > deadline:
                 self._terminate()
@@ -604,12 +674,13 @@ class RedisServer:
             time.sleep(0.01)
 
     @staticmethod
-    def _answers(port: int, pid: int) -> bool:
+    def _answers(port: int, pid: int, context: ssl.SSLContext | None = None) -> bool:
         """True once *pid* itself (not some other process on the port) answers PING."""
         try:
-            if resp_command(LOOPBACK, port, "PING", timeout=0.5) != b"+PONG\r\n":
+            ping = resp_command(LOOPBACK, port, "PING", timeout=0.5, ssl_context=context)
+            if ping != b"+PONG\r\n":
                 return False  # e.g. -LOADING while the AOF is read back
-            info = resp_command(LOOPBACK, port, "INFO", "server", timeout=0.5)
+            info = resp_command(LOOPBACK, port, "INFO", "server", timeout=0.5, ssl_context=context)
         except OSError:
             return False
         return b"\r\nprocess_id:%d\r\n" % pid in info
