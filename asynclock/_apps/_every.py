@@ -2,14 +2,18 @@
 clocks say.
 
 Design note. Every server calls ``every()`` with the same name; each computes the ticks by
-its own wall clock (``time.time()``), and at each tick it takes the job's lease without
-waiting (runs never overlap: a tick whose previous run still goes on, anywhere, is
-skipped) and then marks the tick done, ``SET <prefix>{name}:tick:<tick ms> NX``, under the
-lease. Only the server whose mark landed runs the tick. A server whose clock is late fires
-the same tick later, finds its mark, and skips it: the mark is kept for a period (the gap
-to the next tick, for cron), so a clock late by less than half a period never runs a tick
-twice (the mark outlives any such late firing, and a later tick has a mark of its own).
-Ticks missed while a run lasted, or while the process slept, are not caught up.
+its own wall clock (``time.time()``). At each tick it first claims the tick,
+``SET <prefix>{name}:tick:<tick ms> NX``: only the server whose claim landed goes on, the
+others return quietly (losing that race is the normal case, logged at debug level). The
+claimant then takes the job's lease without waiting and runs the job under it, so runs
+never overlap: if the lease is held, a run of an earlier tick still goes on somewhere,
+and the tick is skipped with a warning (every holder of the lease claimed a tick first,
+so this warning means a real overlap, never a lost race). A server whose clock is late
+fires the same tick later, finds the claim, and skips it: the claim is kept for a period
+(the gap to the next tick, for cron), so a clock late by less than half a period never
+runs a tick twice (the claim outlives any such late firing, and a later tick has a claim
+of its own). Ticks missed while a run lasted, or while the process slept, are not caught
+up.
 """
 
 from __future__ import annotations
@@ -90,17 +94,16 @@ async def _run_tick(
     """Run the tick at ``tick`` (Unix time) here, unless another server did or a run
     still goes on; its done mark is kept ``keep`` seconds."""
     mark = f"{prefix}{{{name}}}:tick:{round(tick * 1000)}"
+    if not await redis.set(mark, "claimed", nx=True, px=_ms(keep)):
+        log.debug("the tick of %r at %s runs on another server", name, _at(tick))
+        return
     try:
-        async with lease(redis, name, ttl=ttl, blocking=False, prefix=prefix) as held:
-            if not await redis.set(mark, held.fencing_token, nx=True, px=_ms(keep)):
-                return  # (another server ran this tick)
+        async with lease(redis, name, ttl=ttl, blocking=False, prefix=prefix):
             try:
                 await func(*args)
             except Exception:
                 log.exception("the run of %r for the tick at %s failed", name, _at(tick))
     except LockBusy:
-        if await redis.exists(mark):
-            return  # (this tick runs on another server: our clock is late)
         log.warning(
             "skipped the tick of %r at %s: its previous run is still going on",
             name,
