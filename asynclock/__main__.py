@@ -24,10 +24,12 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._base._urls import safe_url
 from ._lifecycle._context import lease
 
 
@@ -179,6 +181,15 @@ def _add_operations(commands: argparse._SubParsersAction[argparse.ArgumentParser
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
 
+def _check_url(parser: argparse.ArgumentParser, command: str, url: str) -> None:
+    """A ``--url`` (or ``$REDIS_URL``) that redis-py cannot parse is a usage error (exit
+    2, before any I/O), the URL shown masked."""
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        parser.error(f"{command}: --url {safe_url(url)}: {exc}")
+
+
 def _client(args: argparse.Namespace) -> Redis | RedisCluster:
     if args.cluster:
         return RedisCluster.from_url(args.url, socket_timeout=5.0)
@@ -247,9 +258,10 @@ async def _operate(args: argparse.Namespace) -> int:
             # meanwhile (input() in a thread would be waited for at exit), with Python's
             # own SIGINT handler, so that Ctrl-C interrupts the read at once (asyncio's
             # only cancels the task, which the read does not see).
-            print(question, end="", file=sys.stderr, flush=True)
+            # (the handler first: a Ctrl-C right after the question must interrupt too)
             previous = signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
+                print(question, end="", file=sys.stderr, flush=True)
                 answer = sys.stdin.readline()  # ("" without a terminal)
             except KeyboardInterrupt:
                 answer = ""
@@ -274,12 +286,12 @@ async def _operate(args: argparse.Namespace) -> int:
             print(f"released {args.name!r} ({deleted} key(s) deleted); waiters woken")
         return 0
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        print(
-            f"asynclock {args.subcommand}: cannot reach Redis at {args.url}: {exc}", file=sys.stderr
-        )
+        where = f"asynclock {args.subcommand}: cannot reach Redis at {safe_url(args.url)}"
+        print(f"{where}: {exc}", file=sys.stderr)
         return 69
     except RedisError as exc:  # (refused: NOAUTH, NOPERM, a wrong type, ...)
-        print(f"asynclock {args.subcommand}: Redis at {args.url} said: {exc}", file=sys.stderr)
+        where = f"asynclock {args.subcommand}: Redis at {safe_url(args.url)}"
+        print(f"{where} said: {exc}", file=sys.stderr)
         return 69
     finally:
         await client.aclose()
@@ -365,6 +377,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         lease(Redis(), config.name, ttl=config.ttl, prefix=config.prefix)
     except (TypeError, ValueError) as exc:
         parser.error(f"run: {exc}")
+    _check_url(parser, "run", config.url)
     return asyncio.run(run_command(config))
 
 
@@ -400,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lease(Redis(), getattr(args, "name", "x"), prefix=args.prefix)
         except (TypeError, ValueError) as exc:
             parser.error(f"{args.subcommand}: {exc}")
+        _check_url(parser, args.subcommand, args.url)
         return asyncio.run(_operate(args))
     if args.subcommand == "acl":
         return _acl(args, parser)

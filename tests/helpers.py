@@ -143,3 +143,31 @@ async def running(coro: Awaitable[Any]) -> AsyncIterator[asyncio.Task[Any]]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+SECRET: str = "hunter2-not-for-logs"
+"""A password no message of asynclock may print (see ``urls_with_a_secret``)."""
+
+
+async def urls_with_a_secret(server: RedisServer) -> list[tuple[str, str, dict[str, str]]]:
+    """Ways to hand a command ``SECRET`` (or a wrong password that contains it) in a
+    URL: ``(label, url, environment)`` for ``user:password@``, ``:password@``,
+    ``?password=``, ``$REDIS_URL``, an unreachable server and a URL that does not parse.
+    Sets ``requirepass`` on ``server`` (a private one): the first URL is right (the
+    command runs), the others are refused or fail."""
+    admin = Redis.from_url(server.url)
+    try:
+        await admin.config_set("requirepass", SECRET)
+    finally:
+        await admin.aclose()
+    host = f"127.0.0.1:{server.port}"
+    wrong = f"wrong-{SECRET}"
+    return [
+        ("right", f"redis://:{SECRET}@{host}/0", {}),
+        ("user:password", f"redis://default:{wrong}@{host}/0", {}),
+        (":password", f"redis://:{wrong}@{host}/0", {}),
+        ("password=", f"redis://{host}/0?password={wrong}", {}),
+        ("REDIS_URL", "", {"REDIS_URL": f"redis://:{wrong}@{host}/0"}),
+        ("unreachable", f"redis://:{SECRET}@127.0.0.1:1/0", {}),
+        ("unparsable", f"redis://:{SECRET}@127.0.0.1:port/0", {}),
+    ]

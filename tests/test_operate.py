@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from deployments import cluster_nodes
+from helpers import SECRET, urls_with_a_secret
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
@@ -26,10 +27,14 @@ from asynclock.testing import RedisServer, ServerInfo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def _cli(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    """``python -m asynclock ARGS`` (stdin: what is typed, else none)."""
+async def _cli(
+    *args: str, stdin: str | None = None, environ: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """``python -m asynclock ARGS`` (stdin: what is typed, else none; ``environ``: more
+    environment variables, ``REDIS_URL`` unset otherwise)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("REDIS_URL", None)
+    env.update(environ or {})
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -268,6 +273,48 @@ async def asynclock_force_release(
     from asynclock._apps._inspect import force_release
 
     return await force_release(client, name, prefix=prefix, fencing_token=fencing_token)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://user:pw-1@h:6379/0", "redis://user:***@h:6379/0"),
+        ("redis://:pw-1@h/0", "redis://:***@h/0"),
+        ("redis://token-1@h", "redis://***@h"),
+        ("rediss://u:p@w/d@h/0?password=pw-1&db=1", "rediss://u:***@h/0?password=***&db=1"),
+        ("redis://h/0?db=1&ssl_password=pw-1#f", "redis://h/0?db=1&ssl_password=***#f"),
+        ("unix://:pw-1@/tmp/redis.sock?db=0", "unix://:***@/tmp/redis.sock?db=0"),
+        ("user:pw-1@h", "user:***@h"),
+        ("redis://h:6379/0?db=1", "redis://h:6379/0?db=1"),
+    ],
+)
+def test_safe_url_masks_every_credential(url: str, shown: str) -> None:
+    from asynclock._base._urls import safe_url
+
+    assert safe_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["inspect", "job"], ["list"], ["release", "--force", "--yes", "job"]],
+    ids=["inspect", "list", "release"],
+)
+async def test_no_command_prints_the_password(
+    private_server: RedisServer, command: list[str]
+) -> None:
+    """The password of a URL (user:password@, :password@, ?password=, $REDIS_URL) is in
+    none of the command's output, whether it ran, was refused, could not reach the
+    server or could not parse the URL; the messages still name the server, masked."""
+    for label, url, environ in await urls_with_a_secret(private_server):
+        args = [*command, "--url", url] if url else command
+        code, out, err = await _cli(*args, environ=environ)
+        assert SECRET not in out + err, (label, out, err)
+        assert "Traceback" not in err, (label, err)
+        if label == "right":  # (release: nothing held, exit 1)
+            assert code in (0, 1), (label, err)
+            continue
+        assert code == (2 if label == "unparsable" else 69), (label, err)
+        assert "***" in err, (label, err)
 
 
 async def test_a_server_that_does_not_answer_is_reported(private_server: RedisServer) -> None:

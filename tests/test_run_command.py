@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import SECRET, urls_with_a_secret
 from redis import Redis as SyncRedis
 
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer, ServerInfo
@@ -292,3 +293,25 @@ def test_bad_usage_exits_2_before_any_io(args: list[str], message: str) -> None:
     code, err = _finish(_run("redis://127.0.0.1:1/0", *args))
     assert code == 2
     assert message in err
+
+
+async def test_run_prints_no_password(private_server: RedisServer, prefix: str) -> None:
+    """The password of a URL (user:password@, :password@, ?password=, $REDIS_URL) is in
+    none of the output of ``asynclock run``, whether the command ran, the password was
+    refused, the server could not be reached or the URL could not be parsed."""
+    for label, url, environ in await urls_with_a_secret(private_server):
+        options = ["--url", url] if url else []
+        command = [sys.executable, "-c", "print('ran')"]
+        process = await _exec_run(
+            environ.get("REDIS_URL", url), "job", *options, "--prefix", prefix, "--", *command
+        )
+        async with asyncio.timeout(60):
+            out, err = await process.communicate()
+        output = out.decode() + err.decode()
+        assert SECRET not in output, (label, output)
+        assert "Traceback" not in output, (label, output)
+        if label == "right":
+            assert (process.returncode, out.decode()) == (0, "ran\n"), (label, output)
+            continue
+        assert process.returncode == (2 if label == "unparsable" else 69), (label, output)
+        assert "***" in err.decode(), (label, output)

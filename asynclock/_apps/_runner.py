@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from .._base._events import LeaseEvent
 from .._base._exceptions import AcquireTimeout, LockBusy, LockLost
+from .._base._urls import safe_url
 from .._lifecycle._context import lease
 from .._lifecycle._lease import Lease, LeaseState
 
@@ -100,7 +101,7 @@ async def run_command(config: RunConfig) -> int:
         _say(f"the lease {config.name!r} was lost ({lost.reason}); the command was stopped")
         return EXIT_LOST
     except (RedisError, OSError) as exc:
-        _say(f"could not reach Redis at {_safe_url(config.url)}: {exc}")
+        _say(f"could not reach Redis at {safe_url(config.url)}: {exc}")
         return EXIT_UNAVAILABLE
     finally:
         with contextlib.suppress(Exception):
@@ -187,13 +188,3 @@ def _send(child: asyncio.subprocess.Process, signum: int) -> None:
     if child.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
-
-
-def _safe_url(url: str) -> str:
-    """``url`` without its password."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    user = credentials.partition(":")[0]
-    return f"{scheme}://{user + ':***' if user else '***'}@{host}"
