@@ -38,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._cluster import is_sharded
 from ._lane import Lane, encoding_of, exchange, mark_not_sent
+from ._refusals import explain, is_refusal
 
 __all__ = [
     "ABANDON",
@@ -159,7 +160,8 @@ class Script:
         NOSCRIPT). Every exchange ends by ``deadline`` (loop time), if given. ``asking``:
         send ``ASKING`` before it (on a cluster node importing the lock's slot).
 
-        Raises the server's error reply (``ResponseError`` and its subclasses), or the
+        Raises the server's error reply (``ResponseError`` and its subclasses; a refusal
+        by the ACL as a ``NoPermissionError`` that names the missing rule), or the
         connection error, timeout or cancellation that interrupted the exchange.
         """
         # (a lane looked its client's encoding up once: the hot path)
@@ -179,6 +181,8 @@ class Script:
                 error = AuthenticationError(f"Authentication required (the server said: {reply})")
                 mark_not_sent(error)
                 raise error from reply
+            if is_refusal(reply):  # (by the ACL: the error names the missing rule)
+                raise explain(reply, f"asynclock's {script.name} script", script.source)
             raise reply
         return reply
 

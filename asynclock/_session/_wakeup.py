@@ -46,6 +46,7 @@ from redis.exceptions import RedisError, ResponseError
 from .._redis._compat import connection_errors
 from .._redis._lane import encoding_in
 from .._redis._leftovers import forget_connection
+from .._redis._refusals import explain, is_refusal
 
 __all__ = ["Waiter", "WaitingRoom"]
 
@@ -383,7 +384,11 @@ class WaitingRoom:
                 # A refused (S)SUBSCRIBE: on a cluster node, MOVED for a slot that moved
                 # away. The connection is fine; its waiters fall back on the holder's
                 # time left, and their next attempt finds the slot's new owner.
-                log.debug("a subscription was refused: %r", exc)
+                if is_refusal(exc):  # (by the ACL: a configuration error, said aloud)
+                    what = "a wake-up subscription (waiters wait for the holder's time left)"
+                    log.warning("%s", explain(exc, what))
+                else:
+                    log.debug("a subscription was refused: %r", exc)
                 self._heard = loop.time()
                 self._forget_unconfirmed()
                 continue

@@ -17,9 +17,12 @@ timer (``_InFlight``) comes up at each ``safe_until`` of the batch while it is i
 (and whose time limit ends at the earliest). Whichever comes up at ``safe_until``
 declares the loss, so the body is cancelled at the deadline even while a renewal command
 is still in flight, however slowly that command unwinds. A reply of 0 means the key no
-longer holds our token: lost at once, no retry can bring it back. Any other failure
-(timeout, connection error, a failover's READONLY/LOADING) leaves the outcome unknown:
-the lease turns SUSPECT and its deadline does not move.
+longer holds our token: lost at once, no retry can bring it back. A renewal refused by
+the server's ACL (a missing rule, see ``_redis._refusals``) is a configuration error that
+no retry mends either: lost at once too (``watchdog_failed``, the refusal as its cause,
+naming the rule), not left SUSPECT until its deadline. Any other failure (timeout,
+connection error, a failover's READONLY/LOADING) leaves the outcome unknown: the lease
+turns SUSPECT and its deadline does not move.
 
 One :class:`Watchdog` serves every lease of a client (per event loop): a single loop
 timer fires when the earliest renewal is due, and every renewal due within a few
@@ -51,6 +54,7 @@ from .._base._exceptions import LossReason, ReplicationTimeout
 from .._base._options import LeaseOptions, replicas_confirmed
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
+from .._redis._refusals import explain, is_refusal
 from .._redis._scripts import ASKING, Script, pack
 
 __all__ = ["Watchdog", "Watched", "report_stall"]
@@ -248,6 +252,10 @@ class Watchdog:
             self._retry_all(batch, TimeoutError("renewal cancelled"))
             return
         except (RedisError, OSError, TimeoutError) as exc:
+            if is_refusal(exc):  # (SCRIPT LOAD refused, say)
+                for lease in batch:
+                    _refused(lease, exc)
+                return
             self._retry_all(batch, exc)
             return
         except BaseException as exc:  # a bug: never silence, never leave a lease unwatched
@@ -264,7 +272,12 @@ class Watchdog:
                 if isinstance(reply, AskError) and lease._moved(reply):
                     continue  # (MOVED too: its slot is elsewhere now, renewed there at once)
                 if isinstance(reply, BaseException):
-                    self._retry(lease, reply)
+                    if is_refusal(reply):
+                        _refused(lease, reply)
+                    else:
+                        self._retry(lease, reply)
+                elif reply == 1 and confirmed.error is not None and is_refusal(confirmed.error):
+                    _refused(lease, confirmed.error)  # (WAIT refused)
                 elif reply == 1 and lease._options.min_replicas > confirmed.acked:
                     # renewed on the primary, not confirmed by enough replicas: failed
                     wanted, acked = lease._options.min_replicas, confirmed.acked
@@ -372,6 +385,13 @@ class Watchdog:
         lease._note_backoff(min(backoff * 2, lease.ttl / 10, 1.0))
         pause = backoff * random.uniform(0.5, 1.0)
         self.schedule(lease, min(now + pause, lease._safe_until))
+
+
+def _refused(lease: Watched, error: BaseException) -> None:
+    """The server's ACL refused the renewal of ``lease`` (see :func:`is_refusal`): lost at
+    once, the refusal explained (naming the missing rule) as the cause."""
+    what = f"the renewal of lease {lease.name!r}"
+    _failed(lease, explain(error, what, lease._renew_script.source))
 
 
 def _failed(lease: Watched, error: BaseException) -> None:
