@@ -47,6 +47,7 @@ from ._base._events import drain as _drain
 from ._base._events import hooks as _hooks
 from ._base._events import set_hooks as _set_hooks
 from ._base._events import tallied as _tallied
+from ._base._optional import import_optional
 
 __all__ = ["OpenTelemetryHook", "PrometheusHook", "get_hooks", "set_hooks"]
 
@@ -149,7 +150,8 @@ class OpenTelemetryHook(_Tally):
     counters only.
 
     Raises:
-        ImportError: ``opentelemetry-api`` is not installed.
+        ModuleNotFoundError: ``opentelemetry-api`` is not installed (the message says
+            ``pip install 'asynclock[opentelemetry]'``).
         TypeError: ``name_label`` is not callable.
     """
 
@@ -162,8 +164,7 @@ class OpenTelemetryHook(_Tally):
         *,
         histograms: bool = True,
     ) -> None:
-        from opentelemetry import metrics
-
+        metrics = import_optional("opentelemetry.metrics", "opentelemetry", "OpenTelemetryHook")
         super().__init__(_check_label(name_label))
         self._keep_values = histograms
         self._queue: deque[tuple[str, Labels, float]] = deque(maxlen=self._KEPT)
@@ -255,7 +256,8 @@ class PrometheusHook(_Tally):
     Make one per registry: registering the same metric names twice raises there.
 
     Raises:
-        ImportError: ``prometheus-client`` is not installed.
+        ModuleNotFoundError: ``prometheus-client`` is not installed (the message says
+            ``pip install 'asynclock[prometheus]'``).
         ValueError: the registry already has these metrics.
         TypeError: ``name_label`` is not callable.
     """
@@ -267,8 +269,7 @@ class PrometheusHook(_Tally):
     }
 
     def __init__(self, registry: Any = None, name_label: NameLabel | None = None) -> None:
-        import prometheus_client
-
+        prometheus_client = import_optional("prometheus_client", "prometheus", "PrometheusHook")
         super().__init__(_check_label(name_label))
         self._label_names = ["name"] if name_label is not None else []
         # per histogram: label values -> [count per bucket (the last: +Inf), sum]

@@ -4,6 +4,7 @@ the real OpenTelemetry SDK (an in-memory reader) and the real Prometheus client.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -233,3 +234,34 @@ def test_batches_from_two_loops_are_counted_exactly(redis_server: Any, prefix: s
     assert "asynclock_lease_hold_seconds_count 600.0" in text
     points = _otel_points(reader)
     assert _sum(points["asynclock.lease.acquisitions"], outcome="acquired") == 600
+
+
+async def _every_cron() -> None:
+    """``every(cron=...)``: raises before any I/O (the client has no server)."""
+
+    async def job() -> None:
+        pass
+
+    await asynclock.every(Redis(host="127.0.0.1", port=1), "tick", None, job, cron="* * * * *")
+
+
+@pytest.mark.parametrize(
+    ("module", "extra", "use"),
+    [
+        ("prometheus_client", "prometheus", lambda: instrumentation.PrometheusHook()),
+        ("opentelemetry.metrics", "opentelemetry", lambda: instrumentation.OpenTelemetryHook()),
+        ("croniter", "cron", lambda: asyncio.run(_every_cron())),
+    ],
+    ids=["prometheus", "opentelemetry", "cron"],
+)
+def test_a_missing_extra_says_which_to_install(
+    monkeypatch: pytest.MonkeyPatch, module: str, extra: str, use: Any
+) -> None:
+    """The extra's module cannot be imported (None in sys.modules): the feature raises
+    ModuleNotFoundError (an ImportError) whose message gives the pip command."""
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(ModuleNotFoundError) as missing:
+        use()
+    assert f"pip install 'asynclock[{extra}]'" in str(missing.value)
+    assert missing.value.name == module
+    assert isinstance(missing.value.__cause__, ImportError)

@@ -27,6 +27,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
 from .._base._exceptions import LockBusy, LockLost
+from .._base._optional import import_optional
 from .._base._options import MAX_TTL, Client, LeaseOptions, _number, _positive
 from .._lifecycle._context import lease
 
@@ -68,7 +69,8 @@ async def every(
 
     Raises:
         TypeError, ValueError: bad arguments, before any I/O.
-        ImportError: ``cron`` without the ``asynclock[cron]`` extra.
+        ModuleNotFoundError: ``cron`` without the ``asynclock[cron]`` extra (``croniter``;
+            the message says ``pip install 'asynclock[cron]'``), before any I/O.
     """
     ticks = _ticks(period, offset, cron)
     lease_ttl = _DEFAULT_TTL if ttl is None else _positive("ttl", ttl)
@@ -137,12 +139,7 @@ def _ticks(period: object, offset: object, cron: object) -> Callable[[float], tu
 
 
 def _cron_ticks(expression: str) -> Callable[[float], tuple[float, float]]:
-    try:
-        from croniter import croniter  # type: ignore[import-untyped, unused-ignore]
-    except ImportError as exc:
-        raise ImportError(
-            "every(cron=...) needs a cron parser: pip install 'asynclock[cron]'"
-        ) from exc
+    croniter = import_optional("croniter", "cron", "every(cron=...)").croniter
     if not croniter.is_valid(expression):
         raise ValueError(f"cron is not a valid cron expression: {expression!r}")
 
