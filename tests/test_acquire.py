@@ -470,6 +470,97 @@ async def test_busy_and_timed_out_acquires_leave_nothing(client: Redis, prefix: 
     assert await client.exists(holder.key) == 0
 
 
+# The kinds, each with what makes it busy: (lease() keywords of the holder, of the rival).
+_KINDS = {
+    "mutex": ({}, {}),
+    "semaphore": ({"limit": 2}, {"limit": 2}),
+    "shared": ({}, {"shared": True}),
+    "fair": ({"fair": True}, {"fair": True}),
+}
+
+
+@pytest.mark.parametrize("kind", list(_KINDS))
+@pytest.mark.parametrize("wait", [0.01, 0.3])
+async def test_a_timeout_on_a_held_lock_says_it_is_held(
+    client: Redis, prefix: str, kind: str, wait: float
+):
+    """AcquireTimeout on a busy lock says the lock is held and for how long its holder's
+    lease runs, whatever the blocking_timeout; it never blames Redis."""
+    mine, theirs = _KINDS[kind]
+    holders = [
+        await asynclock.acquire(client, "held", ttl=30, prefix=prefix, **mine)
+        for _ in range(mine.get("limit", 1))
+    ]
+    with pytest.raises(asynclock.AcquireTimeout) as caught:
+        await asynclock.acquire(
+            client, "held", ttl=30, prefix=prefix, blocking_timeout=wait, **theirs
+        )
+    message = str(caught.value)
+    assert "held" in message, message
+    assert "did not answer" not in message, message
+    if kind != "fair":
+        assert "s unless renewed" in message, message
+    for holder in holders:
+        await holder.release()
+
+
+@pytest.mark.parametrize("kind", list(_KINDS))
+async def test_blocking_timeout_zero_is_one_attempt(client: Redis, prefix: str, kind: str):
+    """blocking_timeout=0 takes a free lock every time; on a held one it raises
+    AcquireTimeout at once, leaving no key, tombstone, registration or waiter behind."""
+    mine, theirs = _KINDS[kind]
+    for _ in range(20):
+        async with asynclock.lease(
+            client, "zero", ttl=5, prefix=prefix, blocking_timeout=0, **mine
+        ):
+            pass
+    holders = [
+        await asynclock.acquire(client, "zero", ttl=30, prefix=prefix, **mine)
+        for _ in range(mine.get("limit", 1))
+    ]
+    before = sorted(await client.keys(f"{prefix}*"))
+    started = time.monotonic()
+    with pytest.raises(asynclock.AcquireTimeout) as caught:
+        await asynclock.acquire(client, "zero", ttl=30, prefix=prefix, blocking_timeout=0, **theirs)
+    assert time.monotonic() - started < 1.0
+    assert "held" in str(caught.value)
+    assert caught.value.timeout == 0
+    assert sorted(await client.keys(f"{prefix}*")) == before
+    assert not companion_for(client).room._lines
+    for holder in holders:
+        await holder.release()
+
+
+async def test_blocking_timeout_zero_cancelled_mid_flight_leaves_nothing(
+    private_server: RedisServer, prefix: str
+):
+    """A one-attempt acquire cancelled while its script is in flight (the server paused)
+    leaves no key once the server answers again."""
+    client = Redis.from_url(private_server.url)
+    try:
+        async with asynclock.lease(client, "warm", ttl=5, prefix=prefix):
+            pass
+        private_server.pause()
+        try:
+            task = asyncio.create_task(
+                asynclock.acquire(client, "cut", ttl=5, prefix=prefix, blocking_timeout=0)
+            )
+            await asyncio.sleep(0.05)  # (the attempt is on its way to the paused server)
+            task.cancel()
+            with pytest.raises((asyncio.CancelledError, asynclock.AcquireTimeout)):
+                await task
+        finally:
+            private_server.resume()
+
+        async def gone() -> bool:
+            return await client.exists(f"{prefix}{{cut}}") == 0
+
+        await wait_until(gone, what="the attempt undone")
+        assert not companion_for(client).room._lines
+    finally:
+        await client.aclose()
+
+
 async def test_extend_racing_the_release_is_no_loss(client: Redis, prefix: str):
     """extend() in flight while release() gives the lease back either renews in time or
     says the lease was released; it never reports a loss that did not happen."""

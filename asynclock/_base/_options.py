@@ -246,6 +246,12 @@ class LeaseOptions:
         return f"{self.key}:void:{token}"
 
     @property
+    def tombstone_ms(self) -> int:
+        """How long (ms) the tombstone of an abandoned acquire attempt lasts: long enough
+        that the attempt cannot land after it (3 x ttl, at least 10 s)."""
+        return max(10_000, 3 * self.ttl_ms)
+
+    @property
     def replica_wait_ms(self) -> int:
         """How long (ms) a ``WAIT`` for ``min_replicas`` may block (and the ``WAITAOF``
         behind it, with ``wait_aof``): a tenth of the TTL, at least 1 ms (``WAIT`` with

@@ -33,6 +33,7 @@ from .._base._shield import finish
 from .._redis._lane import not_sent
 from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, UNKNOWN_OUTCOME, Arg, run_idempotent
 from .._session._connections import Companion
+from ._bound import TIMEOUT_GRACE, held, no_answer, one_attempt, round_trip_end
 
 __all__ = ["FAIR_PATIENCE", "FairAcquisition", "FairGrant"]
 
@@ -41,8 +42,6 @@ log = logging.getLogger("asynclock")
 FAIR_PATIENCE: Final = 2.0
 """Seconds a fair waiter counts as waiting after its last attempt (it tries at least
 twice as often): how long a waiter that died can hold up the queue."""
-
-_TIMEOUT_GRACE: Final = 0.5  # seconds past blocking_timeout to undo an attempt in flight
 
 
 class FairGrant:
@@ -81,10 +80,12 @@ class FairAcquisition:
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
         try:
-            if not options.blocking:
+            if one_attempt(options):
                 for _ in range(2):  # (a second try when the reply came too late to use)
-                    grant, pttl = await self._attempt(None, wait=False)
+                    grant, pttl = await self._attempt(deadline, wait=False)
                     if grant is None:
+                        if options.blocking:  # (blocking_timeout=0)
+                            raise held(options, pttl)
                         raise LockBusy(options.name, pttl / 1000 if pttl > 0 else None)
                     if self._usable(grant.t_send):
                         return grant
@@ -92,7 +93,7 @@ class FairAcquisition:
             return await self._wait(deadline)
         except BaseException as exc:
             if self._landed or self._queued:
-                await self._leave(_TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
+                await self._leave(TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
             raise
 
     async def _wait(self, deadline: float | None) -> FairGrant:
@@ -102,14 +103,18 @@ class FairAcquisition:
         event = asyncio.Event()
         room.listen(channel, event)
         subscribed = False
+        held_ms: int | None = None  # the last failed attempt's word on the holder
         try:
             while True:
                 event.clear()
+                if deadline is not None and self._loop.time() >= deadline:
+                    raise held(options, held_ms)  # (an attempt now would be too late)
                 grant, pttl = await self._attempt(deadline, wait=True)
                 if grant is not None:
                     if self._usable(grant.t_send):
                         return grant
                     continue  # refresh our own key at once
+                held_ms = pttl
                 if not subscribed:
                     subscribed = True
                     if await room.subscribe(channel, deadline):
@@ -121,7 +126,7 @@ class FairAcquisition:
                 if deadline is not None:
                     left = deadline - self._loop.time()
                     if left <= 0:
-                        raise AcquireTimeout(options.name, options.blocking_timeout or 0.0)
+                        raise held(options, held_ms)
                     wait = min(wait, left)
                 try:
                     async with asyncio.timeout(wait):
@@ -174,10 +179,11 @@ class FairAcquisition:
             t_send = self._loop.time()
             try:
                 try:
-                    reply = await FAIR_ACQUIRE(client, keys, args, deadline)
+                    reply = await FAIR_ACQUIRE(client, keys, args, round_trip_end(deadline, t_send))
                 except MaxConnectionsError:  # the caller's pool is full: nothing was sent
                     t_send = self._loop.time()
-                    reply = await FAIR_ACQUIRE(self._companion.overflow(), keys, args, deadline)
+                    ends = round_trip_end(deadline, t_send)
+                    reply = await FAIR_ACQUIRE(self._companion.overflow(), keys, args, ends)
                 break
             except UNKNOWN_OUTCOME as exc:
                 if not_sent(exc) and not retried:
@@ -185,9 +191,7 @@ class FairAcquisition:
                 self._landed = True  # (it may have: run() undoes it)
                 self._queued = self._queued or wait
                 if deadline is not None and self._loop.time() >= deadline:
-                    raise AcquireTimeout(
-                        options.name, options.blocking_timeout or 0.0, "Redis did not answer"
-                    ) from exc
+                    raise no_answer(options) from exc
                 if retried:
                     raise
                 retried = True
@@ -220,7 +224,7 @@ class FairAcquisition:
         keys = [options.key, f"{base}:void:{self._token}", base + ":queue", base + ":queue:alive"]
         args: list[Arg] = [
             self._token,
-            max(10_000, 3 * options.ttl_ms),
+            options.tombstone_ms,
             options.channel,
             companion.room.origin,
         ]

@@ -40,6 +40,7 @@ from .._redis._lane import Lane, exchange, not_sent
 from .._redis._scripts import ACQUIRE, ACQUIRE_JOB, UNKNOWN_OUTCOME, Arg
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
+from ._bound import TIMEOUT_GRACE, held, no_answer, one_attempt, round_trip_end
 
 __all__ = [
     "HANDOFF_PATIENCE_MS",
@@ -59,11 +60,6 @@ HANDOFF_PATIENCE_MS: Final = 5
 """A releaser hands the lock within its own client's line until a waiter of another
 client has been registered this long (ms); then it grants the lock to that client's
 offered token, or lets every client compete (see HANDOFF)."""
-
-
-TIMEOUT_GRACE: Final = 0.5
-"""Seconds past ``blocking_timeout`` that undoing an attempt still in flight at the bound
-may take (at most ``release_timeout``); past it, a key the attempt set expires by its TTL."""
 
 
 GRANT_FRESH_MS: Final = 1000
@@ -139,17 +135,22 @@ class Acquisition:
 
         Raises:
             LockBusy: ``blocking=False`` and another lease holds the lock.
-            AcquireTimeout: ``blocking_timeout`` passed, or (non-blocking) Redis answered
-                so late, twice, that too little of the TTL was left to hand the lease out.
+            AcquireTimeout: ``blocking_timeout`` passed (``blocking_timeout=0``: the one
+                attempt found the lock held), or (one attempt) Redis answered so late,
+                twice, that too little of the TTL was left to hand the lease out.
             redis.exceptions.RedisError: Redis refused or stayed unreachable.
         """
         options = self._options
         try:
-            if options.blocking:
+            if not one_attempt(options):
                 return await self._wait()
+            # (blocking_timeout=0: a bound for the round trip, and a timeout if held)
+            deadline = None if not options.blocking else self._loop.time()
             for _ in range(2):
-                status, value, t_send = await self._attempt()
+                status, value, t_send = await self._attempt(deadline=deadline)
                 if status != 1:
+                    if options.blocking:
+                        raise held(options, value)
                     raise LockBusy(options.name, value / 1000 if value >= 0 else None)
                 if self._usable(t_send):
                     return Grant(self._token, value, t_send)
@@ -178,6 +179,7 @@ class Acquisition:
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
         failed_first: int | None = None  # the holder's pttl, after a failed first attempt
+        held_ms: int | None = None  # the holder's pttl, as the last failed attempt saw it
         if not room.waiting(channel):
             # Nobody of this client waits for the lock: try at once, without a place in
             # the line (the uncontended case costs no line bookkeeping).
@@ -186,7 +188,7 @@ class Acquisition:
                     waiting=True, in_line=False, deadline=deadline
                 )
                 if status != 1:
-                    failed_first = value
+                    failed_first = held_ms = value
                     break
                 if self._usable(t_send):
                     return Grant(self._token, value, t_send)
@@ -218,6 +220,8 @@ class Acquisition:
                     if failed_first is not None:  # just tried, before joining the line
                         status, value, t_send = 0, failed_first, 0.0
                         failed_first = None
+                    elif deadline is not None and self._loop.time() >= deadline:
+                        raise held(options, held_ms)  # (an attempt now would be too late)
                     else:
                         status, value, t_send = await self._attempt(waiting=True, deadline=deadline)
                     if status == 1:
@@ -230,6 +234,7 @@ class Acquisition:
                         waiter.event.set()  # try again at once: it refreshes our own key
                         continue
                     self._landed = False  # (a key granted too late to use is gone)
+                    held_ms = value
                     if not subscribed:
                         subscribed = True
                         if await room.subscribe(channel, deadline):
@@ -242,7 +247,7 @@ class Acquisition:
                 if deadline is not None:
                     left = deadline - self._loop.time()
                     if left <= 0:
-                        raise AcquireTimeout(options.name, timeout or 0.0)
+                        raise held(options, held_ms)
                     wait = left if wait is None else min(wait, left)
                 fallback = await _wait_event(waiter.event, wait)
         except (AcquireTimeout, JobDone, JobConflict):
@@ -363,11 +368,12 @@ class Acquisition:
                 args[6] = repr(t_send)
             try:
                 try:
-                    reply = await script(client, keys, args, deadline)
+                    reply = await script(client, keys, args, round_trip_end(deadline, t_send))
                 except MaxConnectionsError:  # the caller's pool is full: nothing was sent
                     client = self._companion.overflow()
                     t_send = self._loop.time()  # (the offer keeps the earlier time)
-                    reply = await script(client, keys, args, deadline)
+                    ends = round_trip_end(deadline, t_send)
+                    reply = await script(client, keys, args, ends)
                 break
             except UNKNOWN_OUTCOME as exc:
                 if not_sent(exc):  # this try never reached Redis (down, or refused us)
@@ -376,9 +382,7 @@ class Acquisition:
                     raise
                 if deadline is not None and self._loop.time() >= deadline:
                     self._landed = True  # (it may have: run() undoes it)
-                    raise AcquireTimeout(
-                        options.name, options.blocking_timeout or 0.0, "Redis did not answer"
-                    ) from exc
+                    raise no_answer(options) from exc
                 if not may_have_landed:
                     may_have_landed = True
                     continue
@@ -421,7 +425,7 @@ class Acquisition:
         ``limit`` seconds (at most ``release_timeout``)."""
         options = self._options
         companion = self._companion
-        tombstone_ms = max(10_000, 3 * options.ttl_ms)
+        tombstone_ms = options.tombstone_ms
         bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:
             await companion.abandon(options.key, self._token, tombstone_ms, bound)

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import random
 import secrets
-from typing import Final, NamedTuple, cast
+from typing import NamedTuple, cast
 
 from redis.exceptions import MaxConnectionsError, ResponseError
 
@@ -45,12 +45,11 @@ from .._redis._scripts import (
 )
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
+from ._bound import TIMEOUT_GRACE, held, no_answer, one_attempt, round_trip_end
 
 __all__ = ["PermitAcquisition", "PermitGrant"]
 
 log = logging.getLogger("asynclock")
-
-_TIMEOUT_GRACE: Final = 0.5  # seconds past blocking_timeout to undo an attempt in flight
 
 
 class PermitGrant(NamedTuple):
@@ -89,10 +88,12 @@ class PermitAcquisition:
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
         try:
-            if not options.blocking:
+            if one_attempt(options):
                 for _ in range(2):  # (a second try when the reply came too late to use)
-                    grant, pttl = await self._attempt(None)
+                    grant, pttl = await self._attempt(deadline)
                     if grant is None:
+                        if options.blocking:  # (blocking_timeout=0)
+                            raise held(options, pttl)
                         raise LockBusy(options.name, pttl / 1000 if pttl >= 0 else None)
                     if self._usable(grant.t_send):
                         return grant
@@ -100,7 +101,7 @@ class PermitAcquisition:
             return await self._wait(deadline)
         except BaseException as exc:
             if self._landed:
-                await self._abandon(_TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
+                await self._abandon(TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
             raise
 
     async def _wait(self, deadline: float | None) -> PermitGrant:
@@ -110,6 +111,7 @@ class PermitAcquisition:
         waiter = room.join(channel, Waiter(self._token, options.ttl_ms, options.fence_ttl_ms))
         waiter.event.set()  # (tries at once on becoming head: leave() sets it then too)
         subscribed = False
+        held_ms: int | None = None  # the last failed attempt's word on the holder
         try:
             while True:
                 wait: float | None = None
@@ -118,12 +120,15 @@ class PermitAcquisition:
                     waiter.event.clear()  # (woken when it becomes head, by leave())
                 elif waiter.event.is_set():
                     waiter.event.clear()
+                    if deadline is not None and self._loop.time() >= deadline:
+                        raise held(options, held_ms)  # (an attempt now would be too late)
                     grant, pttl = await self._attempt(deadline)
                     if grant is not None:
                         if self._usable(grant.t_send):
                             return grant
                         waiter.event.set()  # refresh our own permit at once
                         continue
+                    held_ms = pttl
                     if not subscribed:
                         subscribed = True
                         if await room.subscribe(channel, deadline):
@@ -133,7 +138,7 @@ class PermitAcquisition:
                 if deadline is not None:
                     left = deadline - self._loop.time()
                     if left <= 0:
-                        raise AcquireTimeout(options.name, options.blocking_timeout or 0.0)
+                        raise held(options, held_ms)
                     wait = left if wait is None else min(wait, left)
                 try:
                     async with asyncio.timeout(wait):
@@ -196,21 +201,20 @@ class PermitAcquisition:
             t_send = self._loop.time()
             try:
                 try:
-                    reply = await SEMAPHORE_ACQUIRE(client, keys, args, deadline)
+                    reply = await SEMAPHORE_ACQUIRE(
+                        client, keys, args, round_trip_end(deadline, t_send)
+                    )
                 except MaxConnectionsError:  # the caller's pool is full: nothing was sent
                     t_send = self._loop.time()
-                    reply = await SEMAPHORE_ACQUIRE(
-                        self._companion.overflow(), keys, args, deadline
-                    )
+                    ends = round_trip_end(deadline, t_send)
+                    reply = await SEMAPHORE_ACQUIRE(self._companion.overflow(), keys, args, ends)
                 break
             except UNKNOWN_OUTCOME as exc:
                 if not_sent(exc) and not retried:
                     raise  # (never reached Redis: nothing to undo)
                 self._landed = True  # (it may have: run() undoes it)
                 if deadline is not None and self._loop.time() >= deadline:
-                    raise AcquireTimeout(
-                        options.name, options.blocking_timeout or 0.0, "Redis did not answer"
-                    ) from exc
+                    raise no_answer(options) from exc
                 if retried:
                     raise
                 retried = True
@@ -245,7 +249,7 @@ class PermitAcquisition:
         keys = [f"{options.base_key}:void:{self._token}", *options.permit_keys()]
         args: list[Arg] = [
             self._token,
-            max(10_000, 3 * options.ttl_ms),
+            options.tombstone_ms,
             options.channel,
             companion.room.origin,
         ]

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import random
 import secrets
-from typing import Final, cast
+from typing import cast
 
 from redis.exceptions import MaxConnectionsError, ResponseError
 
@@ -33,12 +33,11 @@ from .._base._shield import finish
 from .._redis._lane import not_sent
 from .._redis._scripts import SHARED_ABANDON, SHARED_ACQUIRE, UNKNOWN_OUTCOME, Arg, run_idempotent
 from .._session._connections import Companion
+from ._bound import TIMEOUT_GRACE, held, no_answer, one_attempt, round_trip_end
 
 __all__ = ["SharedAcquisition", "SharedGrant"]
 
 log = logging.getLogger("asynclock")
-
-_TIMEOUT_GRACE: Final = 0.5  # seconds past blocking_timeout to undo an attempt in flight
 
 
 class SharedGrant:
@@ -80,10 +79,12 @@ class SharedAcquisition:
         timeout = options.blocking_timeout
         deadline = None if timeout is None else self._loop.time() + timeout
         try:
-            if not options.blocking:
+            if one_attempt(options):
                 for _ in range(2):  # (a second try when the reply came too late to use)
-                    grant, pttl = await self._attempt(None)
+                    grant, pttl = await self._attempt(deadline)
                     if grant is None:
+                        if options.blocking:  # (blocking_timeout=0)
+                            raise held(options, pttl)
                         raise LockBusy(options.name, pttl / 1000 if pttl > 0 else None)
                     if self._usable(grant.t_send):
                         return grant
@@ -91,7 +92,7 @@ class SharedAcquisition:
             return await self._wait(deadline)
         except BaseException as exc:
             if self._landed:
-                await self._abandon(_TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
+                await self._abandon(TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
             raise
 
     async def _wait(self, deadline: float | None) -> SharedGrant:
@@ -101,14 +102,18 @@ class SharedAcquisition:
         event = asyncio.Event()
         room.listen(channel, event)
         subscribed = False
+        held_ms: int | None = None  # the last failed attempt's word on the holder
         try:
             while True:
                 event.clear()
+                if deadline is not None and self._loop.time() >= deadline:
+                    raise held(options, held_ms)  # (an attempt now would be too late)
                 grant, pttl = await self._attempt(deadline)
                 if grant is not None:
                     if self._usable(grant.t_send):
                         return grant
                     continue  # refresh our own hold at once
+                held_ms = pttl
                 if not subscribed:
                     subscribed = True
                     if await room.subscribe(channel, deadline):
@@ -118,7 +123,7 @@ class SharedAcquisition:
                 if deadline is not None:
                     left = deadline - self._loop.time()
                     if left <= 0:
-                        raise AcquireTimeout(options.name, options.blocking_timeout or 0.0)
+                        raise held(options, held_ms)
                     wait = min(wait, left)
                 try:
                     async with asyncio.timeout(wait):
@@ -164,19 +169,20 @@ class SharedAcquisition:
             t_send = self._loop.time()
             try:
                 try:
-                    reply = await SHARED_ACQUIRE(client, keys, args, deadline)
+                    reply = await SHARED_ACQUIRE(
+                        client, keys, args, round_trip_end(deadline, t_send)
+                    )
                 except MaxConnectionsError:  # the caller's pool is full: nothing was sent
                     t_send = self._loop.time()
-                    reply = await SHARED_ACQUIRE(self._companion.overflow(), keys, args, deadline)
+                    ends = round_trip_end(deadline, t_send)
+                    reply = await SHARED_ACQUIRE(self._companion.overflow(), keys, args, ends)
                 break
             except UNKNOWN_OUTCOME as exc:
                 if not_sent(exc) and not retried:
                     raise  # (never reached Redis: nothing to undo)
                 self._landed = True  # (it may have: run() undoes it)
                 if deadline is not None and self._loop.time() >= deadline:
-                    raise AcquireTimeout(
-                        options.name, options.blocking_timeout or 0.0, "Redis did not answer"
-                    ) from exc
+                    raise no_answer(options) from exc
                 if retried:
                     raise
                 retried = True
@@ -212,7 +218,7 @@ class SharedAcquisition:
             self._token,
             options.channel,
             companion.room.origin,
-            max(10_000, 3 * options.ttl_ms),
+            options.tombstone_ms,
         ]
         bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:

@@ -167,7 +167,8 @@ def lease(
             about (``UserWarning``): likely milliseconds given as seconds.
         blocking: wait for the lock (True) or make one attempt (False).
         blocking_timeout: with ``blocking=True``, the most seconds to wait; None waits
-            until acquired (the caller's own ``asyncio.timeout`` works too).
+            until acquired (the caller's own ``asyncio.timeout`` works too); 0 makes one
+            attempt, as ``blocking=False`` does, but raises ``AcquireTimeout``.
         release_timeout: seconds allowed for the release on exit; past it the key is left
             to expire by its TTL.
         prefix: prepended to every key and channel of the lock.
@@ -228,8 +229,10 @@ def lease(
         ReplicationTimeout: fewer than ``min_replicas`` replicas confirmed the
             acquisition in time; the lock was given back (also a ``TimeoutError``).
         AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``),
-            round trips to Redis included: a Redis that stops answering gives it too,
-            within ``blocking_timeout`` plus at most 0.5 s to undo an attempt in flight.
+            round trips to Redis included; its message says whether the lock was held
+            (and for how long its holder's lease runs) or Redis did not answer. The last
+            attempt still gets 0.25 s for its round trip and undoing it 0.5 s more, so a
+            silent Redis gives it within ``blocking_timeout`` plus at most 0.75 s.
         RuntimeError: this task already holds the lock (it is inside an ``async with``
             block or a ``guard()`` of it, through this client): leases are not
             re-entrant, and waiting would wait for itself forever.
