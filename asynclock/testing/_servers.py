@@ -271,10 +271,20 @@ class TLSFiles:
     """The server's certificate."""
     keyfile: Path
     """The server's private key (unencrypted)."""
+    client_certfile: Path | None = None
+    """A client certificate signed by the CA: given, the server requires one from every
+    client (``--tls-auth-clients yes``), and :meth:`client_context` presents this one."""
+    client_keyfile: Path | None = None
+    """The private key of ``client_certfile``."""
 
     def client_context(self) -> ssl.SSLContext:
-        """A client context that trusts ``ca_certs`` only (hostnames checked)."""
-        return ssl.create_default_context(cafile=str(self.ca_certs))
+        """A client context that trusts ``ca_certs`` only (hostnames checked), with the
+        client certificate if there is one."""
+        context = ssl.create_default_context(cafile=str(self.ca_certs))
+        if self.client_certfile is not None:
+            keyfile = None if self.client_keyfile is None else str(self.client_keyfile)
+            context.load_cert_chain(str(self.client_certfile), keyfile)
+        return context
 
 
 # --------------------------------------------------------------------------- #
@@ -329,8 +339,8 @@ class RedisServer:
         cluster: a Redis Cluster node (``--cluster-enabled yes``, node timeout 2 s) on a
             port whose cluster bus port (the port + 10000) was free too; join nodes with
             ``CLUSTER ADDSLOTSRANGE`` and ``CLUSTER MEET`` (see :meth:`command`).
-        tls: listen with TLS only (``--port 0 --tls-port PORT``, client certificates not
-            required; replication and the cluster bus over TLS too): :attr:`url` is then
+        tls: listen with TLS only (``--port 0 --tls-port PORT``; client certificates
+            required if ``tls`` names one; replication and the cluster bus over TLS too): :attr:`url` is then
             ``rediss://...``, and :meth:`command` speaks TLS.  The binary must have been
             built with TLS.
 
@@ -598,7 +608,7 @@ class RedisServer:
                 "--tls-ca-cert-file",
                 str(tls.ca_certs),
                 "--tls-auth-clients",
-                "no",
+                "no" if tls.client_certfile is None else "yes",
                 "--tls-replication",
                 "yes",
             ]
