@@ -15,13 +15,15 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from deployments import cluster_nodes
+from deployments import SERVICE, SentinelProcess, cluster_nodes, sentinel_ready, synced_replica
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import NoPermissionError
 from test_operate import _cli
 
@@ -224,14 +226,18 @@ async def test_acl_command_line_errors() -> None:
 # -- the contract under the user -----------------------------------------------------------
 
 
-async def exercise(url: str, prefix: str, **kwargs: Any) -> None:
-    """The contract, briefly, through clients of ``url`` (``kwargs``: more settings for
-    them): every kind, renewals, a waiter woken by pub/sub, a waiter that gives up, the
-    overflow pool, once(), forget(), every(), inspect(), statistics(), extend() and
-    is_held(verify=True). Nothing is left behind."""
-    a: Redis = Redis.from_url(url, **kwargs)
-    b: Redis = Redis.from_url(url, decode_responses=True, **kwargs)
-    small: Redis = Redis.from_url(url, max_connections=4, **kwargs)
+async def exercise(url: str | Callable[..., Redis], prefix: str, **kwargs: Any) -> None:
+    """The contract, briefly, through clients of ``url`` (or made by calling it with
+    settings; ``kwargs``: more settings for them): every kind, renewals, a waiter woken
+    by pub/sub, a waiter that gives up, the overflow pool, once(), forget(), every(),
+    inspect(), statistics(), extend() and is_held(verify=True). Nothing is left behind."""
+    if isinstance(url, str):
+        make: Callable[..., Redis] = partial(Redis.from_url, url, **kwargs)
+    else:
+        make = partial(url, **kwargs)
+    a = make()
+    b = make(decode_responses=True)
+    small = make(max_connections=4)
     try:
         renewed = asyncio.Event()
 
@@ -345,7 +351,7 @@ async def exercise(url: str, prefix: str, **kwargs: Any) -> None:
     finally:
         for client in (a, b, small):
             await client.aclose()
-    observer = Redis.from_url(url, **kwargs)
+    observer = make()
     try:
         left = [key for key in await keys_left(observer, prefix) if ":fence" not in key]
         assert [key for key in left if ":tick:" not in key and ":result" not in key] == []
@@ -573,3 +579,37 @@ async def test_a_cluster_under_a_user_with_exactly_the_rules(
         assert "fair" in out
     for node in nodes:
         assert await acl_refusals(node) == [], node.port
+
+
+# -- Sentinel --------------------------------------------------------------------------------
+
+
+async def test_through_sentinel_under_a_user_with_exactly_the_rules(
+    server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """A Sentinel client whose connections to the primary log in as the user (the
+    sentinels themselves are asked without one): the contract, nothing refused. (ACLs
+    are not replicated: the user is made on the replica too, as after a failover it
+    must be there.)"""
+    replica = synced_replica(server)
+    sentinel = SentinelProcess(server, tmp_path)
+    manager = Sentinel([("127.0.0.1", sentinel.port)], socket_timeout=1.0)
+    try:
+        await sentinel_ready(manager)
+        command = acl_setuser("--prefix", prefix)
+        create_user(server, command)
+        create_user(replica, command)
+
+        def make(**settings: Any) -> Redis:
+            client: Redis = manager.master_for(
+                SERVICE, username=USER, password=PASSWORD, **settings
+            )
+            return client
+
+        await exercise(make, prefix)
+        assert await acl_refusals(server) == []
+    finally:
+        sentinel.stop()
+        for client in manager.sentinels:
+            await client.aclose()
+        replica.stop()
