@@ -340,9 +340,9 @@ class RedisServer:
             port whose cluster bus port (the port + 10000) was free too; join nodes with
             ``CLUSTER ADDSLOTSRANGE`` and ``CLUSTER MEET`` (see :meth:`command`).
         tls: listen with TLS only (``--port 0 --tls-port PORT``; client certificates
-            required if ``tls`` names one; replication and the cluster bus over TLS too): :attr:`url` is then
-            ``rediss://...``, and :meth:`command` speaks TLS.  The binary must have been
-            built with TLS.
+            required if ``tls`` names one; replication and the cluster bus over TLS
+            too): :attr:`url` is then ``rediss://...``, and :meth:`command` speaks TLS.
+            The binary must have been built with TLS.
 
     Raises:
         RuntimeError: no binary for *engine* is installed.
