@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import __version__
 from ._base._urls import safe_url
 from ._lifecycle._context import lease
 
@@ -334,16 +336,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="asynclock",
         description="asynclock: distributed leases on Redis for asyncio.",
     )
+    parser.add_argument("--version", action="version", version=f"asynclock {__version__}")
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
     _add_run(commands)
     _add_operations(commands)
     _add_acl(commands)
-    commands.add_parser(
-        "demo",
-        help="worker processes compete for one lease; a holder is killed, a key deleted "
-        "(from a clone of the repository: examples/demo)",
-        add_help=False,
-    )
+    if _demo_available():  # (listed only where it runs; elsewhere _demo() says why)
+        commands.add_parser(
+            "demo",
+            help="worker processes compete for one lease; a holder is killed, a key "
+            "deleted (from a clone of the repository: examples/demo)",
+            add_help=False,
+        )
     return parser
 
 
@@ -379,6 +383,15 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         parser.error(f"run: {exc}")
     _check_url(parser, "run", config.url)
     return asyncio.run(run_command(config))
+
+
+def _demo_available() -> bool:
+    """Whether ``examples.demo`` can be imported: in a clone of the repository, not from
+    an installed package (the demo is not part of it)."""
+    try:
+        return importlib.util.find_spec("examples.demo") is not None
+    except ImportError:  # (no package ``examples`` at all)
+        return False
 
 
 def _demo(argv: list[str]) -> int:

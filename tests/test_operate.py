@@ -28,12 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _cli(
-    *args: str, stdin: str | None = None, environ: dict[str, str] | None = None
+    *args: str,
+    stdin: str | None = None,
+    environ: dict[str, str] | None = None,
+    outside: Path | None = None,
 ) -> tuple[int, str, str]:
     """``python -m asynclock ARGS`` (stdin: what is typed, else none; ``environ``: more
-    environment variables, ``REDIS_URL`` unset otherwise)."""
+    environment variables, ``REDIS_URL`` unset otherwise; ``outside``: a directory to
+    run in without the clone on the path, as an installed package runs)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("REDIS_URL", None)
+    if outside is not None:
+        env.pop("PYTHONPATH")
     env.update(environ or {})
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -44,6 +50,7 @@ async def _cli(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        cwd=outside,
     )
     async with asyncio.timeout(60):
         out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
@@ -348,3 +355,20 @@ async def test_list_covers_every_primary_of_a_cluster(prefix: str) -> None:
             for lease in leases:
                 await lease.release()
             await cluster.aclose()
+
+
+async def test_version_and_help_list_what_runs_here(tmp_path: Path) -> None:
+    """``--version`` prints the package's version; ``--help`` lists ``demo`` in a clone
+    only: an installed package (here: run where ``examples`` cannot be imported) cannot
+    run it, and ``asynclock demo`` there says where it lives instead."""
+    code, out, err = await _cli("--version")
+    assert (code, out.strip()) == (0, f"asynclock {asynclock.__version__}"), err
+    code, out, _ = await _cli("--help")
+    assert code == 0
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert {"run", "inspect", "list", "release", "demo"} <= listed, out
+    code, out, _ = await _cli("--help", outside=tmp_path)
+    assert code == 0
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert "run" in listed
+    assert "demo" not in listed, out

@@ -209,6 +209,31 @@ def test_readme_is_read_in_one_sitting() -> None:
     assert lines < README_MAX_LINES, f"README.md has {lines} lines"
 
 
+def test_the_install_section_names_every_extra() -> None:
+    """Each extra of ``pyproject.toml`` is in the README's Install section, the ones a
+    user installs as ``asynclock[EXTRA]`` (a missing one's error gives that command)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    for extra in extras:
+        assert f"asynclock[{extra}]" in install or f"`{extra}`" in install, extra
+    for extra in ("cron", "postgres", "prometheus", "opentelemetry"):
+        assert f'pip install "asynclock[{extra}]"' in install, extra
+
+
+def test_a_release_by_hand_shows_yes() -> None:
+    """``release --force`` asks for confirmation (exit 3 without a terminal): every
+    command line of it in the README has ``--yes``, as a script needs."""
+    readme = (ROOT / "README.md").read_text()
+    shown = re.findall(r"asynclock release --force[^`]*", readme.replace("\n", " "))
+    assert shown
+    assert all("--yes" in line for line in shown), shown
+
+
 # -- the SQL fencing recipe --------------------------------------------------------------
 
 
