@@ -19,6 +19,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._apps._every import every as every
+from ._apps._exclusive import exclusive as exclusive
 from ._apps._inspect import LockInfo as LockInfo
 from ._apps._inspect import inspect as inspect
 from ._apps._once import Serializer as Serializer
@@ -27,6 +28,7 @@ from ._apps._once import idempotent as idempotent
 from ._apps._once import once as once
 from ._apps._statistics import LockStatistics as LockStatistics
 from ._apps._statistics import statistics as statistics
+from ._apps._template import client_from as client_from
 from ._base._events import EventHook as EventHook
 from ._base._events import LeaseEvent as LeaseEvent
 from ._base._events import LeaseEventKind as LeaseEventKind
@@ -74,7 +76,9 @@ __all__ = [
     "ResultNotStored",
     "Serializer",
     "acquire",
+    "client_from",
     "every",
+    "exclusive",
     "forget",
     "idempotent",
     "inspect",

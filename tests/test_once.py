@@ -378,7 +378,9 @@ async def test_bad_input_before_any_io(
     with pytest.raises(error, match=match):
         await call(client, Counter())
     with pytest.raises(TypeError, match="key"):
-        asynclock.idempotent(client, key="not callable")  # type: ignore[arg-type]
+        asynclock.idempotent(client, key=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="key: the field"):  # (a template, when decorating)
+        asynclock.idempotent(client, key="{not_a_parameter}")(Counter().__call__)
     await client.aclose()
 
 

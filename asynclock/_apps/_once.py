@@ -36,6 +36,14 @@ from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
 from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
 from .._lifecycle._take import take
 from .._redis._lane import encoding_of
+from ._template import (
+    ClientSource,
+    KeyTemplate,
+    checked_source,
+    is_template,
+    key_maker,
+    resolver,
+)
 
 __all__ = ["Serializer", "forget", "idempotent", "once"]
 
@@ -113,7 +121,13 @@ async def once(
       once need the fencing token checked where they are written.
 
     Args:
-        key: the job's name (a lock name: non-empty, not starting with ``}``).
+        key: the job's name (a lock name: non-empty, not starting with ``}``), or a key
+            template like ``"charge:{order_id}"``: a ``str.format`` template filled from
+            ``args`` bound to ``func``'s signature (defaults applied; ``{order.id}``
+            and ``{ctx[job]}`` reach attributes and items). A field naming no parameter
+            of ``func`` raises ``ValueError`` before any I/O. A key with no field (or a
+            lone brace) is taken as it is; ``{{`` and ``}}`` are literal braces in a
+            template.
         ttl: the lease's time to live, seconds, renewed every ttl/3 while ``func`` runs.
         result_ttl: seconds the result is kept.
         fingerprint: a digest of the job's payload (``str`` or ``bytes``); a call for the
@@ -134,10 +148,44 @@ async def once(
         AcquireTimeout: neither a result nor the lease came within ``blocking_timeout``.
         LockLost: the lease was lost while ``func`` ran (it was cancelled), or before its
             result could be stored: nothing was stored.
-        TypeError: an argument has the wrong type (before any I/O, as ``ValueError``).
+        TypeError: an argument has the wrong type (before any I/O, as ``ValueError``),
+            or ``args`` do not fit ``func``'s signature when ``key`` is a template.
+        ValueError: a bad argument; a template field that names no parameter of
+            ``func`` or could not be filled.
         redis.exceptions.RedisError: Redis refused or could not be reached.
         Whatever ``func`` raised.
     """
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    if isinstance(key, str) and is_template(key):
+        key = KeyTemplate(key, func).render(args, {})
+    return await _run_once(
+        redis,
+        key,
+        func,
+        args,
+        ttl,
+        result_ttl,
+        fingerprint,
+        blocking_timeout,
+        prefix,
+        serializer,
+    )
+
+
+async def _run_once(
+    redis: Client,
+    key: str,
+    func: Callable[..., Awaitable[T]],
+    args: tuple[Any, ...],
+    ttl: float | timedelta,
+    result_ttl: float | timedelta,
+    fingerprint: str | bytes | None,
+    blocking_timeout: float | timedelta | None,
+    prefix: str,
+    serializer: Serializer | None,
+) -> T:
+    """``once()`` for a key already made (never read as a template)."""
     options = LeaseOptions.cached(redis, key, ttl, True, blocking_timeout, 2.0, prefix)
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
@@ -182,9 +230,9 @@ async def once(
 
 
 def idempotent(
-    redis: Client,
+    redis: ClientSource,
     *,
-    key: Callable[..., str],
+    key: str | Callable[..., str],
     fingerprint: Callable[..., str | bytes | None] | None = None,
     ttl: float | timedelta = 30.0,
     result_ttl: float | timedelta = 86400.0,
@@ -192,36 +240,58 @@ def idempotent(
     prefix: str = "asynclock:",
     serializer: Serializer | None = None,
 ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Coroutine[Any, Any, T]]]:
-    """``@idempotent(redis, key=lambda order: f"charge:{order.id}")``: every call of the
-    decorated coroutine function goes through :func:`once`, keyed by ``key(*args,
-    **kwargs)`` (and fingerprinted by ``fingerprint(*args, **kwargs)`` if given); the
-    other options are ``once()``'s, checked here, before any I/O.
+    """``@idempotent(redis, key="charge:{order.id}")``: every call of the decorated
+    coroutine function goes through :func:`once`, keyed by the template filled from the
+    call's arguments (or by ``key(*args, **kwargs)`` for a callable), and fingerprinted
+    by ``fingerprint(*args, **kwargs)`` if given.
+
+    Args:
+        redis: a client; or a zero-argument callable returning one, called at each call
+            (a client made in FastAPI's ``lifespan``); or :func:`client_from` (arq's
+            ``client_from("ctx[redis]")``).
+        key: a template whose fields name the function's parameters (see
+            :func:`once`), or a callable of the function's arguments returning the key.
+        The other options are ``once()``'s.
+
+    Raises:
+        TypeError, ValueError: a bad option, or (when decorating) a template field or
+            ``client_from`` field that names no parameter of the function; before any
+            I/O.
     """
-    if not callable(key):
-        raise TypeError(f"key must be a callable of the function's arguments, not {key!r}")
+    if not isinstance(key, str) and not callable(key):
+        raise TypeError(
+            f"key must be a template (str) or a callable of the function's arguments, not {key!r}"
+        )
     if fingerprint is not None and not callable(fingerprint):
         raise TypeError(f"fingerprint must be a callable or None, not {fingerprint!r}")
-    LeaseOptions.cached(redis, "idempotent", ttl, True, blocking_timeout, 2.0, prefix)
+    checked = checked_source(redis)
+    LeaseOptions.cached(checked, "idempotent", ttl, True, blocking_timeout, 2.0, prefix)
     _result_ttl_ms(result_ttl)
     _codec(serializer)
 
     def decorate(func: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+        if not callable(func):
+            raise TypeError(f"idempotent() decorates a coroutine function, not {func!r}")
+        make_key = key_maker(key, func)
+        client_of = resolver(redis, func)
+
         @functools.wraps(func)
         async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            name = make_key(args, kwargs)
             bound: Callable[..., Awaitable[T]] = (
                 functools.partial(func, **kwargs) if kwargs else func
             )
-            return await once(
-                redis,
-                key(*args, **kwargs),
+            return await _run_once(
+                client_of(args, kwargs),
+                name,
                 bound,
-                *args,
-                ttl=ttl,
-                result_ttl=result_ttl,
-                fingerprint=None if fingerprint is None else fingerprint(*args, **kwargs),
-                blocking_timeout=blocking_timeout,
-                prefix=prefix,
-                serializer=serializer,
+                args,
+                ttl,
+                result_ttl,
+                None if fingerprint is None else fingerprint(*args, **kwargs),
+                blocking_timeout,
+                prefix,
+                serializer,
             )
 
         return run

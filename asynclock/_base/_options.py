@@ -26,8 +26,15 @@ __all__ = [
     "LeaseOptions",
     "default_fence_ttl",
     "drift_for",
+    "is_client",
     "replicas_confirmed",
 ]
+
+
+def is_client(value: object) -> bool:
+    """Whether ``value`` is a client a lease can be taken through (see ``Client``)."""
+    return type(value) in _CLIENT_TYPES or isinstance(value, Redis | RedisCluster)
+
 
 MIN_TTL = 0.03
 """Shortest TTL accepted, in seconds: below it a renewal every ttl/3 (10 ms) cannot be
