@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from ._run import FAILOVERS, ChaosConfig, new_seed, print_schedule, run
+from ._soak import soak
 
 
 def _seconds(text: str) -> float:
@@ -114,6 +115,31 @@ def _parser() -> argparse.ArgumentParser:
         "run is too short: each needs about 4.6 TTLs)",
     )
     parser.add_argument(
+        "--shared",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="the shared mode: the share of rounds (0 to 1) holding lease(..., shared=True) "
+        "beside exclusive ones; no exclusive holder may overlap any other, and an exclusive "
+        "waiter must get in unless another exclusive holder or a fault was in its way",
+    )
+    parser.add_argument(
+        "--fair",
+        action="store_true",
+        help="the fair mode: every lease is fair=True; the nemesis also stops waiters "
+        "(waiter_stop) and leaves out the faults that silence live waiters; grants must "
+        "follow arrival among live waiters, and a dead waiter delay the queue within bound",
+    )
+    parser.add_argument(
+        "--soak",
+        type=_seconds,
+        default=None,
+        metavar="MINUTES",
+        help="the soak: rotate every mode (mutex, semaphore, shared, fair, failover; every "
+        "second pass with --detached 0.5) for MINUTES, run i with seed SEED + i, and print "
+        "one table; --workers, --tasks, --ttl, --engine and --keep apply to every run",
+    )
+    parser.add_argument(
         "--print-schedule",
         action="store_true",
         help="print the faults the seed schedules, and exit without running",
@@ -146,9 +172,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     min_replicas = 1 if args.min_replicas is None else args.min_replicas
     if not 0 <= min_replicas <= 1:
         parser.error("--min-replicas must be 0 or 1 (the run has one replica)")
+    if not 0.0 <= args.shared <= 1.0:
+        parser.error("--shared must be between 0 and 1")
+    modes = [
+        m
+        for m, on in (
+            ("--shared", args.shared > 0),
+            ("--fair", args.fair),
+            ("--failover", args.failover),
+            ("--limit", args.limit > 1),
+        )
+        if on
+    ]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} are separate modes: choose one")
     failovers = FAILOVERS if args.failovers is None else args.failovers
     if not 1 <= failovers <= 100:
         parser.error("--failovers must be between 1 and 100")
+    if args.soak is not None:
+        if modes or args.detached or args.sabotage or args.print_schedule:
+            parser.error("--soak chooses the modes itself: give no mode, --detached or --sabotage")
+        if args.soak > 24 * 60:
+            parser.error("--soak must be at most a day")
+        base = ChaosConfig(
+            seed=0,
+            workers=args.workers,
+            tasks=args.tasks,
+            ttl=args.ttl,
+            engine=args.engine,
+            keep=args.keep,
+        )
+        seed = new_seed() if args.seed is None else args.seed
+        return soak(seed, args.soak, base, as_json=args.json)
     config = ChaosConfig(
         seed=new_seed() if args.seed is None else args.seed,
         workers=args.workers,
@@ -164,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         failover=args.failover,
         min_replicas=min_replicas if args.failover else 0,
         failovers=failovers,
+        shared=args.shared,
+        fair=args.fair,
     )
     if args.print_schedule:
         print_schedule(config)

@@ -43,6 +43,17 @@ Durations and amounts are in multiples of the TTL, so the schedule scales with i
   in the shared history for every contender (holder id) of the process, since all of them
   are stopped.
 
+The fair mode (``make_schedule(..., kinds=FAIR_KINDS)``) draws from its own bag: the
+faults that leave a live waiter's place in the queue alone or take the queue away as a
+whole (``reset``, ``client_kill``, ``flush``, ``restart``, ``holder_stop``), and one of its
+own:
+
+* ``waiter_stop``: a worker process of which a contender waits for a lock and none holds
+  one is stopped with ``SIGSTOP`` for 1.5 x ``FAIR_PATIENCE`` (3 s; at least 2.5 TTLs): its
+  waiters' places in the queue are those of dead waiters (no attempt for longer than the
+  patience), which the queue must get past within its documented bound. A
+  :class:`~asynclock.testing.Pause` is recorded for each of its contenders.
+
 The failover mode (:func:`make_failover_schedule`) schedules one kind alone, a fixed
 number of times at seeded moments, each one healed (a new replica synced) before the next:
 
@@ -83,12 +94,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple
 
+from asynclock._kinds._fair import FAIR_PATIENCE
 from asynclock.testing import Direction, FaultProxy, History, ProxyMode, RedisServer
 
 from ._replication import Replication
 
 __all__ = [
     "DATA_LOSS",
+    "FAIR_KINDS",
     "NETWORK",
     "ORDINARY",
     "Fault",
@@ -113,14 +126,34 @@ class FaultKind(enum.StrEnum):
     RESTART = "restart"
     HOLDER_STOP = "holder_stop"
     FAILOVER = "failover"
+    WAITER_STOP = "waiter_stop"
 
     def __str__(self) -> str:
         return self.value
 
 
-ORDINARY: Final = tuple(kind for kind in FaultKind if kind is not FaultKind.FAILOVER)
+ORDINARY: Final = tuple(
+    kind for kind in FaultKind if kind not in (FaultKind.FAILOVER, FaultKind.WAITER_STOP)
+)
 """The kinds of the ordinary run, in the order its schedule's bag is filled (so adding
-``failover``, which only the failover mode schedules, left every seed's schedule as it was)."""
+``failover`` and ``waiter_stop``, which only the failover and fair modes schedule, left
+every seed's schedule as it was)."""
+
+FAIR_KINDS: Final = (
+    FaultKind.RESET,
+    FaultKind.CLIENT_KILL,
+    FaultKind.FLUSH,
+    FaultKind.RESTART,
+    FaultKind.HOLDER_STOP,
+    FaultKind.WAITER_STOP,
+)
+"""The kinds of the fair mode: none that stops a live waiter's attempts from reaching the
+server (a delay, black hole or stall makes it a dead waiter to the queue), and
+``waiter_stop``, which makes dead waiters on purpose."""
+
+WAITER_STOP_SECONDS: Final = 1.5 * FAIR_PATIENCE
+"""How long ``waiter_stop`` stops a waiter (at least 2.5 TTLs): past the patience, so its
+place is a dead waiter's."""
 
 DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART})
 """Faults after which the server no longer has the keys it had."""
@@ -198,7 +231,7 @@ class Fault:
             text = f"#{self.index} at {self.at:.2f}s {what} on {self.scope}"
             text += f" (SIGKILL {self.amount:.3f}s after a grant, waiting up to "
             text += f"{self.duration - self.amount:.2f}s for one)"
-        if self.kind is FaultKind.HOLDER_STOP or (
+        if self.kind in (FaultKind.HOLDER_STOP, FaultKind.WAITER_STOP) or (
             self.scope == "holder" and self.kind is not FaultKind.FAILOVER
         ):
             text += f" (pick {self.pick:.3f})"
@@ -256,18 +289,23 @@ def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float
         amount = rng.uniform(0.0, 0.75) * ttl
     elif kind is FaultKind.HOLDER_STOP:
         duration = _HOLDER_STOP * ttl
+    elif kind is FaultKind.WAITER_STOP:
+        duration = max(_HOLDER_STOP * ttl, WAITER_STOP_SECONDS)
     scope = ""
     if kind in NETWORK:
         scope = "holder" if rng.random() < _HOLDER_SCOPE else "all"
     return Fault(index, at, kind, variant, duration, amount, pick, scope)
 
 
-def make_schedule(seed: int, seconds: float, ttl: float) -> tuple[Fault, ...]:
+def make_schedule(
+    seed: int, seconds: float, ttl: float, kinds: Sequence[FaultKind] = ORDINARY
+) -> tuple[Fault, ...]:
     """The faults of a run of ``seconds`` with leases of ``ttl`` seconds, from ``seed``.
 
     Deterministic: equal arguments give equal schedules (``random.Random(seed)`` and
-    nothing else). Faults are in order, never overlap, start after a warm-up of 2 TTLs
-    and end at least 1.5 TTLs before ``seconds``; a run too short for that gets none.
+    nothing else). ``kinds`` fill the bag (default: the ordinary run's eight). Faults
+    are in order, never overlap, start after a warm-up of 2 TTLs and end at least 1.5
+    TTLs before ``seconds``; a run too short for that gets none.
 
     Raises:
         ValueError: ``seconds`` or ``ttl`` is not a positive finite number.
@@ -281,7 +319,7 @@ def make_schedule(seed: int, seconds: float, ttl: float) -> tuple[Fault, ...]:
     bag: list[FaultKind] = []
     while True:
         if not bag:
-            bag = list(ORDINARY)
+            bag = list(kinds)
             rng.shuffle(bag)
         fault = _draw(rng, len(faults), at, bag.pop(), ttl)
         if fault.end > end:
@@ -350,7 +388,8 @@ class Injection:
     target: str = ""
     outcome: str = "done"
     resumed: float | None = None
-    """For ``holder_stop``: ``time.monotonic()`` just before the ``SIGCONT`` was sent."""
+    """For ``holder_stop`` and ``waiter_stop``: ``time.monotonic()`` just before the
+    ``SIGCONT`` was sent."""
     killed: float | None = None
     """For ``failover``: ``time.monotonic()`` just before the primary's ``SIGKILL``."""
     killed_wall: float | None = None
@@ -441,6 +480,8 @@ class Nemesis:
         replication: the failover mode's primary and replica (``server`` is then the
             first primary; the nemesis aims at whichever is the primary now).
         next_grant: for ``failover``, to wait for a grant before killing the primary.
+        waiters: for ``waiter_stop``, the workers of which a contender waits for a lock
+            and none holds one now, sorted by name.
 
     Every fault is healed before :meth:`inject` returns, also when it fails or is
     cancelled. :attr:`injections` lists what was done, in order.
@@ -457,6 +498,7 @@ class Nemesis:
         *,
         replication: Replication | None = None,
         next_grant: NextGrant | None = None,
+        waiters: Holders | None = None,
     ) -> None:
         self._first_server = server
         self._replication = replication
@@ -464,6 +506,7 @@ class Nemesis:
         self._proxies = tuple(proxies)
         self._history = history
         self._holders = holders
+        self._waiters = waiters
         self._workers = tuple(workers)
         self._ttl = ttl
         self._stopped_pids: set[int] = set()
@@ -534,18 +577,22 @@ class Nemesis:
             await self._restart(fault)
         elif kind is FaultKind.HOLDER_STOP:
             await self._holder_stop(fault, injection)
+        elif kind is FaultKind.WAITER_STOP:
+            await self._waiter_stop(fault, injection)
         elif kind is FaultKind.FAILOVER:
             await self._failover(fault, injection)
         else:  # pragma: no cover - every kind is handled above
             raise AssertionError(kind)
 
-    async def _some_holder(self, pick: float) -> Target | None:
-        """A worker holding a lock, chosen by ``pick``; waits up to a TTL for one."""
+    async def _some_holder(self, pick: float, among: Holders | None = None) -> Target | None:
+        """A worker holding a lock (or one of ``among``), chosen by ``pick``; waits up to
+        a TTL for one."""
+        among = self._holders if among is None else among
         deadline = time.monotonic() + _HOLDER_WAIT * self._ttl
-        holders = list(self._holders())
+        holders = list(among())
         while not holders and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-            holders = list(self._holders())
+            holders = list(among())
         if not holders:
             return None
         return holders[min(int(pick * len(holders)), len(holders) - 1)]
@@ -634,12 +681,25 @@ class Nemesis:
         if target is None:
             injection.outcome = "skipped: no worker held a lock"
             return
+        await self._stop_for(target, fault.duration, injection)
+
+    async def _waiter_stop(self, fault: Fault, injection: Injection) -> None:
+        if self._waiters is None:
+            raise RuntimeError("waiter_stop needs to know who waits (the fair mode)")
+        target = await self._some_holder(fault.pick, among=self._waiters)
+        if target is None:
+            injection.outcome = "skipped: no worker only waited"
+            return
+        await self._stop_for(target, fault.duration, injection)
+
+    async def _stop_for(self, target: Target, seconds: float, injection: Injection) -> None:
+        """``SIGSTOP`` of ``target`` for ``seconds``, a pause recorded for its holders."""
         injection.target = target.name
         with self._history.paused(*(target.holders or (target.name,))):
             os.kill(target.pid, signal.SIGSTOP)
             self._stopped_pids.add(target.pid)
             try:
-                await asyncio.sleep(fault.duration)
+                await asyncio.sleep(seconds)
             finally:
                 injection.resumed = time.monotonic()
                 self._continue(target.pid)

@@ -50,7 +50,14 @@ from asynclock.testing import (
     keys_left,
 )
 
-from ._nemesis import Fault, Nemesis, Target, make_failover_schedule, make_schedule
+from ._nemesis import (
+    FAIR_KINDS,
+    Fault,
+    Nemesis,
+    Target,
+    make_failover_schedule,
+    make_schedule,
+)
 from ._replication import Replication
 from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, of_limit, summarize
 from ._worker import WorkerConfig, counter_key, holder_name, slot_name
@@ -95,6 +102,13 @@ class ChaosConfig:
         min_replicas: the leases' ``min_replicas`` (failover mode only; 0 shows what a
             failover does to leases no replica confirmed).
         failovers: how many failovers the failover mode schedules.
+        shared: the shared mode, above 0: the share of rounds that hold a shared lease
+            (``lease(..., shared=True)``) beside the exclusive ones; no exclusive holder
+            may overlap any other holder, and an exclusive waiter must get in within its
+            ``blocking_timeout`` unless another exclusive holder or a fault was in its way.
+        fair: the fair mode: every lease is ``fair=True``, the nemesis draws from
+            ``FAIR_KINDS`` (with ``waiter_stop``), and grants must follow the waiters'
+            arrival, a dead waiter delaying the queue no longer than its bound.
     """
 
     seed: int
@@ -111,12 +125,28 @@ class ChaosConfig:
     failover: bool = False
     min_replicas: int = 0
     failovers: int = FAILOVERS
+    shared: float = 0.0
+    fair: bool = False
 
     def schedule(self) -> tuple[Fault, ...]:
-        """The faults this run's seed schedules (failovers alone in the failover mode)."""
+        """The faults this run's seed schedules (failovers alone in the failover mode,
+        the fair mode's own bag in the fair mode)."""
         if self.failover:
             return make_failover_schedule(self.seed, self.seconds, self.ttl, self.failovers)
+        if self.fair:
+            return make_schedule(self.seed, self.seconds, self.ttl, FAIR_KINDS)
         return make_schedule(self.seed, self.seconds, self.ttl)
+
+    @property
+    def mode(self) -> str:
+        """``failover``, ``shared``, ``fair``, ``semaphore`` or ``mutex``."""
+        if self.failover:
+            return "failover"
+        if self.shared:
+            return "shared"
+        if self.fair:
+            return "fair"
+        return "semaphore" if self.limit > 1 else "mutex"
 
     @property
     def lock_names(self) -> tuple[str, ...]:
@@ -155,6 +185,10 @@ class ChaosConfig:
             parts.append(f"--failover --min-replicas {self.min_replicas}")
             if self.failovers != FAILOVERS:
                 parts.append(f"--failovers {self.failovers}")
+        if self.shared:
+            parts.append(f"--shared {self.shared!r}")
+        if self.fair:
+            parts.append("--fair")
         return " ".join(parts)
 
 
@@ -172,6 +206,8 @@ class _Worker:
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     holding: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """Contender (holder id) -> (lock, fencing token) it holds now, by its last report."""
+    waiting: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Contender (holder id) -> the lock it is asking for now, by its last report."""
     final: dict[str, Any] | None = None
     stderr: deque[str] = dataclasses.field(default_factory=lambda: deque(maxlen=40))
     told_to_stop: bool = False
@@ -215,6 +251,14 @@ class _Run:
             if w.holding and w.proc.returncode is None
         ]
 
+    def waiters(self) -> list[Target]:
+        """The workers of which a contender waits for a lock and none holds one now."""
+        return [
+            Target(w.name, w.proc.pid, index, w.holders)
+            for index, w in enumerate(self.workers)
+            if w.waiting and not w.holding and w.proc.returncode is None
+        ]
+
     def next_grant(self) -> asyncio.Future[tuple[str, str]]:
         """A future set to ``(holder, lock)`` by the next ``acquired`` report (for the
         nemesis's failover, which kills the primary right after a grant)."""
@@ -248,6 +292,8 @@ class _Run:
             detached=config.detached,
             limit=config.limit,
             min_replicas=config.min_replicas,
+            shared=config.shared,
+            fair=config.fair,
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -282,18 +328,23 @@ class _Run:
             kind = message.get("k")
             if kind == "ready":
                 worker.ready.set()
+            elif kind == "asking":
+                worker.waiting[str(message.get("holder", worker.name))] = str(message["lock"])
             elif kind == "acquired":
                 holder = str(message.get("holder", worker.name))
+                worker.waiting.pop(holder, None)
                 worker.holding[holder] = (str(message["lock"]), int(message["fence"]))
                 self._granted(holder, str(message["lock"]))
             elif kind == "round":
                 worker.holding.pop(str(message.get("holder", worker.name)), None)
+                worker.waiting.pop(str(message.get("holder", worker.name)), None)
                 self.rounds.append(RoundReport.from_message(worker.name, message))
             elif kind == "final":
                 worker.final = dict(message["stats"])
         if not worker.told_to_stop:
             worker.exited_early = True
         worker.holding.clear()
+        worker.waiting.clear()
 
     async def _read_stderr(self, worker: _Worker) -> None:
         stream = worker.proc.stderr
@@ -391,6 +442,7 @@ class _Run:
                     config.ttl,
                     replication=self.replication,
                     next_grant=self.next_grant,
+                    waiters=self.waiters if config.fair else None,
                 )
                 t0 = time.monotonic()
                 until = t0 + config.seconds
@@ -445,6 +497,8 @@ class _Run:
                 replicas_started=(
                     self.replication.replicas_started if self.replication is not None else 0
                 ),
+                shared=config.shared,
+                fair=config.fair,
             )
         finally:
             store.close()
@@ -533,6 +587,10 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
     out = sys.stdout if out is None else out
     schedule = config.schedule()
     mode = f", failover mode with min_replicas {config.min_replicas}" if config.failover else ""
+    if config.shared:
+        mode = f", shared mode ({config.shared:.0%} of rounds shared)"
+    elif config.fair:
+        mode = ", fair mode"
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "

@@ -71,7 +71,15 @@ from asynclock.testing import (
     measure_overlap,
 )
 
-from ._nemesis import ORDINARY, Fault, FaultKind, Injection
+from ._modes import (
+    ARRIVAL_MARGIN,
+    exclusive_waits,
+    fair_bound,
+    free_while_waiting,
+    out_of_order,
+    starved_writers,
+)
+from ._nemesis import FAIR_KINDS, ORDINARY, Fault, FaultKind, Injection
 
 __all__ = [
     "DataLoss",
@@ -129,6 +137,13 @@ class RoundReport:
     """When the ``async with`` had finished, when the body was entered."""
     form: str = "block"
     """``block`` (``async with lease``) or ``detached`` (``acquire``/``guard``/``release``)."""
+    kind: str = "exclusive"
+    """``exclusive``, ``shared``, ``fair``, or ``plain`` (a sabotaged fair mode's jumper)."""
+    asked_at: float | None = None
+    """Loop time just before the lease was asked for."""
+    waited_until: float | None = None
+    """Loop time the wait ended (lease in hand, or the acquire's exception caught)."""
+    blocking_timeout: float | None = None
 
     @property
     def who(self) -> str:
@@ -162,6 +177,10 @@ class RoundReport:
             lease_from=_opt_float(message.get("lease_from")),
             exit_end=_opt_float(message.get("exit_end")),
             form=str(message.get("form", "block")),
+            kind=str(message.get("kind", "exclusive")),
+            asked_at=_opt_float(message.get("asked_at")),
+            waited_until=_opt_float(message.get("waited_until")),
+            blocking_timeout=_opt_float(message.get("blocking_timeout")),
         )
 
 
@@ -212,6 +231,19 @@ class RunRecord:
     replicas_started: int = 0
     """Replicas started in the failover mode (the first one, then one after each
     failover)."""
+    shared: float = 0.0
+    """The shared mode, above 0: the share of rounds that held a shared lease."""
+    fair: bool = False
+    """The fair mode: every lease was ``fair=True``."""
+
+    @property
+    def mode(self) -> str:
+        """``failover``, ``shared``, ``fair`` or ``faults`` (the ordinary run)."""
+        if self.failover:
+            return "failover"
+        if self.shared:
+            return "shared"
+        return "fair" if self.fair else "faults"
 
 
 # --------------------------------------------------------------------------------------
@@ -622,7 +654,10 @@ def summarize(record: RunRecord) -> Summary:
     excused = {id(o.second) for o in classes.after_data_loss}
     if not record.min_replicas:  # (reported as double grants across a failover)
         excused |= {id(o.second) for o in classes.across_failover}
-    at_once = most_at_once(i for i in steady if id(i) not in excused)
+    # (shared holders are counted apart: the limit is the exclusive holders', and an
+    # exclusive one beside a shared one is an overlap above)
+    at_once = most_at_once(i for i in steady if id(i) not in excused and not i.shared)
+    shared_at_once = most_at_once(i for i in steady if i.shared)
     over = {lock: n for lock, n in at_once.items() if n > record.limit}
     if over:
         failures.append(
@@ -670,6 +705,10 @@ def summarize(record: RunRecord) -> Summary:
         if at_release[what]:
             failures.append(f"{at_release[what]} LockLost(not_owner) at release {why}")
 
+    modes = _mode_checks(record, windows)
+    failures.extend(modes.pop("failures"))
+    details.extend(modes.pop("details"))
+
     data: dict[str, Any] = {
         "ok": not failures,
         "seed": record.seed,
@@ -678,9 +717,11 @@ def summarize(record: RunRecord) -> Summary:
         "seconds": record.seconds,
         "locks": len({lock_of(slot) for slot in record.locks}),
         "limit": record.limit,
-        "mode": "failover" if record.failover else "faults",
+        "mode": record.mode,
         "min_replicas": record.min_replicas,
         "most_holders_at_once": at_once,
+        "most_shared_holders_at_once": shared_at_once,
+        **modes,
         "ttl": ttl,
         "engine": record.engine,
         "faults": {
@@ -744,6 +785,66 @@ def summarize(record: RunRecord) -> Summary:
     return Summary(not failures, tuple(failures), data, tuple(lines), tuple(details))
 
 
+def _mode_checks(record: RunRecord, windows: Sequence[DataLoss]) -> dict[str, Any]:
+    """The shared and fair modes' own checks (``chaos._modes``): their figures under
+    ``shared`` / ``fair``, and ``failures`` and ``details`` to add to the run's."""
+    failures: list[str] = []
+    details: list[str] = []
+    found: dict[str, Any] = {"failures": failures, "details": details}
+    ttl = record.ttl
+    if record.shared:
+        kinds = Counter(r.kind for r in record.rounds if r.body_start is not None)
+        starved = starved_writers(record.rounds, record.intervals, record.injections, ttl)
+        if starved:
+            failures.append(
+                f"{len(starved)} exclusive waiter(s) timed out with only shared holders "
+                "in the way and no fault"
+            )
+            details.extend(
+                f"{r.who} on {r.lock!r} waited from t={r.asked_at:.6f} to "
+                f"t={r.waited_until:.6f} and timed out"
+                for r in starved[:_SHOWN]
+            )
+        exclusive_timeouts = sum(
+            1 for r in record.rounds if r.kind == "exclusive" and r.outcome == "timeout"
+        )
+        found["shared"] = {
+            "acquisitions": {"shared": kinds.get("shared", 0), "exclusive": kinds["exclusive"]},
+            "exclusive_wait": _stats_ms(exclusive_waits(record.rounds)),
+            "exclusive_timeouts": exclusive_timeouts,
+            "starved_writers": len(starved),
+        }
+    if record.fair:
+        losses = [(w.start, w.end) for w in windows]
+        disorder = out_of_order(record.rounds, record.pauses, losses, ttl)
+        gaps = free_while_waiting(record.rounds, record.pauses, ttl)
+        bound = fair_bound(ttl)
+        slow = [g for g in gaps if g.seconds > bound]
+        if disorder:
+            failures.append(f"{len(disorder)} grant(s) out of arrival order among live waiters")
+            details.extend(str(v) for v in disorder[:_SHOWN])
+        if slow:
+            failures.append(
+                f"{len(slow)} time(s) the lock stayed free longer than {bound:.2f} s "
+                "while a live waiter waited"
+            )
+            details.extend(str(g) for g in slow[:_SHOWN])
+        kinds = Counter(r.kind for r in record.rounds if r.body_start is not None)
+        found["fair"] = {
+            "acquisitions": dict(sorted(kinds.items())),
+            "gave_up": sum(1 for r in record.rounds if r.outcome == "timeout"),
+            "out_of_order": len(disorder),
+            "arrival_margin_ms": round(ARRIVAL_MARGIN * 1000),
+            "free_while_waiting": {
+                "count": len(gaps),
+                "max_ms": round(gaps[0].seconds * 1000, 3) if gaps else 0.0,
+                "bound_ms": round(bound * 1000, 3),
+                "over_bound": len(slow),
+            },
+        }
+    return found
+
+
 def _by_failover(
     overlaps: Sequence[Overlap], injections: Sequence[Injection], ttl: float, now_wall: float
 ) -> dict[str, int]:
@@ -781,7 +882,8 @@ def _render(
 ) -> list[str]:
     faults = data["faults"]
     kinds = []
-    for kind in (FaultKind.FAILOVER,) if record.failover else ORDINARY:
+    shown = FAIR_KINDS if record.fair else ORDINARY
+    for kind in (FaultKind.FAILOVER,) if record.failover else shown:
         count = by_kind.get(str(kind), 0)
         variants = [
             f"{variant.split('/', 1)[1]} {n}"
@@ -814,6 +916,10 @@ def _render(
     mode = ""
     if record.failover:
         mode = f", failover mode (primary + replica, min_replicas {record.min_replicas})"
+    elif record.shared:
+        mode = f", shared mode ({record.shared:.0%} of rounds shared)"
+    elif record.fair:
+        mode = ", fair mode"
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "
@@ -835,6 +941,29 @@ def _render(
             f"max {across['max_ms']:.0f} ms"
             + (f" ({_counts(data['double_grants_by_failover'])})" if across["count"] else "")
             + (must(across["count"]) if record.min_replicas else expected),
+        ]
+    if record.shared:
+        shared = data["shared"]
+        lines += [
+            f"  shared mode          {shared['acquisitions']['shared']} shared and "
+            f"{shared['acquisitions']['exclusive']} exclusive acquisitions; most shared "
+            f"holders at once {_counts(data['most_shared_holders_at_once'])}",
+            f"  exclusive waits      {_latency_text(shared['exclusive_wait'])}; "
+            f"{shared['exclusive_timeouts']} timed out",
+            f"  exclusive waiters starved by shared holders (no fault, no other exclusive "
+            f"holder): {shared['starved_writers']}" + must(shared["starved_writers"]),
+        ]
+    if record.fair:
+        fair = data["fair"]
+        free = fair["free_while_waiting"]
+        lines += [
+            f"  fair mode            acquisitions {_counts(fair['acquisitions'])}; "
+            f"{fair['gave_up']} waiters gave up",
+            f"  grants out of arrival order (live waiters, arrival margin "
+            f"{fair['arrival_margin_ms']} ms): {fair['out_of_order']}" + must(fair["out_of_order"]),
+            f"  lock free while a live waiter waited: {free['count']} times, longest "
+            f"{free['max_ms']:.0f} ms (bound {free['bound_ms']:.0f} ms), "
+            f"{free['over_bound']} over the bound" + must(free["over_bound"]),
         ]
     lines += [
         f"  acquisitions         {acq['total']}: "

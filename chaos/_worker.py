@@ -81,6 +81,10 @@ _READ_WRITE_PAUSE: Final = (0.002, 0.02)  # seconds between an increment's read 
 _SABOTAGE_SLOWER: Final = 10.0  # sabotaged bodies sleep this much longer, outliving leases
 _BETWEEN_ROUNDS: Final = (0.0, 0.15)  # TTLs slept between rounds
 _VERIFY: Final = 0.25  # share of rounds that verify the lease with Redis before leaving
+_FAIR_WAIT: Final = 12.0  # TTLs a fair waiter waits (past the queue's bound for a dead waiter)
+_FAIR_LEAVING: Final = 0.25  # share of fair waiters that give up early ...
+_FAIR_LEAVE_AFTER: Final = (0.5, 2.0)  # ... after this many TTLs
+_JUMPERS: Final = 1 / 3  # share of rounds a sabotaged fair mode takes with a plain lease()
 
 
 _WARNINGS: Final = (  # (text in an asynclock warning, the key it is counted under)
@@ -150,6 +154,14 @@ class WorkerConfig:
     min_replicas: int = 0
     """Above 0 (the failover mode): ``lease(..., min_replicas=min_replicas)``; an
     acquisition that too few replicas confirmed ends the round as ``unconfirmed``."""
+    shared: float = 0.0
+    """The shared mode, above 0: the share of rounds holding ``lease(..., shared=True)``
+    (drawn from a random stream of its own); such a round's body only reads (a fenced
+    claim, then a read of the counter) and its interval is recorded as shared."""
+    fair: bool = False
+    """The fair mode: every round takes ``lease(..., fair=True)``, waiting up to 12 TTLs
+    (a quarter of them give up after 0.5-2 TTLs: waiters that leave); with ``sabotage``,
+    a third of them take a plain ``lease()`` instead, which does not queue."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -177,8 +189,8 @@ class _Reporter:
     def __init__(self) -> None:
         self._out = sys.stdout.buffer
 
-    def __call__(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"k": kind, "t": time.monotonic(), **fields}, separators=(",", ":"))
+    def __call__(self, message: str, /, **fields: Any) -> None:
+        line = json.dumps({"k": message, "t": time.monotonic(), **fields}, separators=(",", ":"))
         try:
             self._out.write(line.encode() + b"\n")
             self._out.flush()
@@ -228,6 +240,14 @@ class _Round:
     """When ``async with`` had finished (released or not), if the body was entered."""
     form: str = "block"
     """How the lease was held: ``block`` (``async with lease``) or ``detached``."""
+    kind: str = "exclusive"
+    """What was asked for: ``exclusive``, ``shared``, ``fair`` or, in a sabotaged fair
+    mode, ``plain`` (a ``lease()`` that jumps the queue)."""
+    asked_at: float | None = None
+    """Loop time just before the lease was asked for."""
+    waited_until: float | None = None
+    """Loop time the wait ended: the lease in hand, or the acquire's exception caught."""
+    blocking_timeout: float | None = None
 
     def message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -291,6 +311,8 @@ class _Contender:
         suffix = f":{task}" if task else ""
         self.rng = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}")
         self.forms = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}:form")
+        self.sharing = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}:shared")
+        self.fairness = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}:fair")
         self.in_body = False
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -350,17 +372,22 @@ class _Contender:
         kind: dict[str, Any] = {"limit": config.limit} if config.limit > 1 else {}
         if config.min_replicas:
             kind["min_replicas"] = config.min_replicas
+        state.kind, kind_options, state.blocking_timeout = self._kind()
+        kind.update(kind_options)
+        state.asked_at = time.monotonic()
+        worker.report("asking", lock=lock_name, holder=self.holder)
         try:
             async with hold(
                 worker.client,
                 lock_name,
                 **kind,
                 ttl=config.ttl,
-                blocking_timeout=3 * config.ttl,
+                blocking_timeout=state.blocking_timeout,
                 release_timeout=config.ttl,
                 prefix=config.prefix,
                 on_event=self._hook(state),
             ) as lock:
+                state.waited_until = time.monotonic()
                 state.lock = _slot_of(lock, config.limit)
                 state.fence = lock.fencing_token
                 # safe_until is t_send + ttl - drift until the first renewal is confirmed
@@ -369,7 +396,15 @@ class _Contender:
                 state.lease_from = lock.safe_until - (config.ttl - _drift(config.ttl))
                 self.in_body = True
                 try:
-                    guard = Guard(worker.history, state.lock, self.holder, lock.fencing_token, lock)
+                    shared = state.kind == "shared"
+                    guard = Guard(
+                        worker.history,
+                        state.lock,
+                        self.holder,
+                        lock.fencing_token,
+                        lock,
+                        shared=shared,
+                    )
                     with guard:
                         worker.report(
                             "acquired",
@@ -377,7 +412,7 @@ class _Contender:
                             fence=lock.fencing_token,
                             holder=self.holder,
                         )
-                        await self._body(lock, state, steps, verify)
+                        await self._body(lock, state, steps, verify, shared)
                         state.left_at_end = lock.time_left
                 finally:
                     self.in_body = False
@@ -399,6 +434,8 @@ class _Contender:
             state.outcome, state.error = "unexpected", repr(exc)
             traceback.print_exc(file=sys.stderr)
         finally:
+            if state.waited_until is None:
+                state.waited_until = time.monotonic()
             if guard is not None and guard.interval is not None:
                 state.body_start, state.body_end = guard.interval.start, guard.interval.end
                 state.exit_end = time.monotonic()
@@ -411,27 +448,64 @@ class _Contender:
                 stats[f"error:{state.error}"] += 1
             worker.report("round", holder=self.holder, **state.message())
 
-    async def _body(self, lock: asynclock.Lease, state: _Round, steps: int, verify: bool) -> None:
-        if self.config.sabotage:
+    def _kind(self) -> tuple[str, dict[str, Any], float]:
+        """What this round asks for, its options and its ``blocking_timeout``, from
+        random streams of their own (the other choices of a seed stay as they were)."""
+        config = self.config
+        if config.fair:
+            wait = _FAIR_WAIT * config.ttl
+            if self.fairness.random() < _FAIR_LEAVING:
+                wait = self.fairness.uniform(*_FAIR_LEAVE_AFTER) * config.ttl
+            if config.sabotage and self.fairness.random() < _JUMPERS:
+                return "plain", {}, wait
+            return "fair", {"fair": True}, wait
+        if config.shared and self.sharing.random() < config.shared:
+            return "shared", {"shared": True}, 3 * config.ttl
+        return "exclusive", {}, 3 * config.ttl
+
+    async def _body(
+        self, lock: asynclock.Lease, state: _Round, steps: int, verify: bool, shared: bool
+    ) -> None:
+        if self.config.sabotage and not self.config.fair:
             with anyio.CancelScope(shield=True):
-                await self._steps(lock, state, steps, check=False)
+                await self._steps(lock, state, steps, check=False, shared=shared)
             return
-        await self._steps(lock, state, steps, check=True)
+        await self._steps(lock, state, steps, check=True, shared=shared)
         if verify and not await lock.is_held(verify=True):
             self.worker.stats["verify_false"] += 1
 
-    async def _steps(self, lock: asynclock.Lease, state: _Round, steps: int, check: bool) -> None:
+    async def _steps(
+        self, lock: asynclock.Lease, state: _Round, steps: int, check: bool, shared: bool
+    ) -> None:
         ttl = self.config.ttl
         for _ in range(steps):
             if check and not await lock.is_held():
                 self.worker.stats["is_held_false"] += 1
                 return
-            if await self._increment(lock):
+            if shared:
+                read = await self._read(lock)
+                self.worker.stats["shared_reads" if read else "shared_reads_refused"] += 1
+            elif await self._increment(lock):
                 state.increments += 1
             else:
                 state.refused += 1
             slow = 1.0 if check else _SABOTAGE_SLOWER
             await asyncio.sleep(self.rng.uniform(*_STEP_SLEEP) * ttl * slow)
+
+    async def _read(self, lock: asynclock.Lease) -> bool:
+        """A shared holder's fenced read: claim with its token (so that an older writer's
+        later write is refused), then read; False if a newer token had claimed."""
+        store, token = self.worker.store, lock.fencing_token
+        key = counter_key(_slot_of(lock, self.config.limit))
+        holder = self.holder
+
+        def claim_and_read() -> bool:
+            if not store.claim(key, token, holder=holder):
+                return False
+            store.read_int(key)
+            return True
+
+        return await anyio.to_thread.run_sync(claim_and_read, abandon_on_cancel=True)
 
     async def _increment(self, lock: asynclock.Lease) -> bool:
         """``FencedStore.increment(key, fencing_token=...)``, with each SQLite call in a

@@ -107,6 +107,8 @@ class Interval:
         paused: the holder was deliberately paused (``SIGSTOP``) during the interval.
         lost: why the lease was lost (a :class:`~asynclock.LossReason` such as
             ``"not_owner"``, or a string of the test's own), or ``None`` if it was not.
+        shared: held with a shared lease (``lease(..., shared=True)``): two shared
+            intervals on one lock may overlap; an exclusive one may overlap none.
 
     Raises:
         ValueError: ``end`` is before ``start``, or a time is not finite.
@@ -119,6 +121,7 @@ class Interval:
     end: float
     paused: bool = False
     lost: str | None = None
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.start) and math.isfinite(self.end)):
@@ -135,6 +138,8 @@ class Interval:
         notes = " paused" if self.paused else ""
         if self.lost is not None:
             notes += f" lost:{self.lost}"
+        if self.shared:
+            notes += " shared"
         return (
             f"{self.holder} held {self.lock!r} with fence {self.fencing_token} "
             f"from t={self.start:.6f} to t={self.end:.6f} ({self.duration:.6f} s){notes}"
@@ -169,7 +174,7 @@ Record = Interval | Pause | Loss
 
 def _to_json(record: Record) -> dict[str, Any]:
     if isinstance(record, Interval):
-        return {
+        data: dict[str, Any] = {
             "kind": "interval",
             "lock": record.lock,
             "holder": record.holder,
@@ -179,6 +184,9 @@ def _to_json(record: Record) -> dict[str, Any]:
             "paused": record.paused,
             "lost": None if record.lost is None else str(record.lost),
         }
+        if record.shared:  # (only then: files of exclusive leases read as before)
+            data["shared"] = True
+        return data
     if isinstance(record, Pause):
         return {"kind": "pause", "holder": record.holder, "start": record.start, "end": record.end}
     return {
@@ -205,6 +213,7 @@ def _from_json(data: Any) -> Record:
             end=float(data["end"]),
             paused=bool(data.get("paused", False)),
             lost=None if lost is None else _reason(str(lost)),
+            shared=bool(data.get("shared", False)),
         )
     if kind == "pause":
         return Pause(str(data["holder"]), float(data["start"]), float(data["end"]))
@@ -244,7 +253,8 @@ class Guard:
     :attr:`interval`.  The loss reason recorded is, first found: one given to
     :meth:`mark_lost`, the reason of a :class:`~asynclock.LockLost` leaving the block
     (e.g. from ``await lock.extend()``), or the ``lost_reason`` of the lease given to
-    :meth:`History.guard_lease`.  A guard is single use.
+    :meth:`History.guard_lease`.  A guard is single use.  ``shared=True`` records the
+    interval as a shared lease's (:attr:`Interval.shared`).
     """
 
     __slots__ = (
@@ -256,6 +266,7 @@ class Guard:
         "lock",
         "lost",
         "paused",
+        "shared",
         "start",
     )
 
@@ -266,9 +277,12 @@ class Guard:
         holder: str,
         fencing_token: int,
         lease: Lease | None = None,
+        *,
+        shared: bool = False,
     ) -> None:
         self._history = history
         self._lease = lease
+        self.shared = shared
         self.lock = lock
         self.holder = holder
         self.fencing_token = fencing_token
@@ -308,7 +322,14 @@ class Guard:
             elif self._lease is not None and self._lease.lost_reason is not None:
                 self.lost = self._lease.lost_reason
         self.interval = Interval(
-            self.lock, self.holder, self.fencing_token, self.start, end, self.paused, self.lost
+            self.lock,
+            self.holder,
+            self.fencing_token,
+            self.start,
+            end,
+            self.paused,
+            self.lost,
+            self.shared,
         )
         self._history.record(self.interval)
 
@@ -340,7 +361,7 @@ class History:
 
     # -- recording ------------------------------------------------------------------------
 
-    def guard(self, lock: str, holder: str, fencing_token: int) -> Guard:
+    def guard(self, lock: str, holder: str, fencing_token: int, *, shared: bool = False) -> Guard:
         """A context manager recording the interval it encloses for ``lock``.
 
         ::
@@ -350,18 +371,19 @@ class History:
                     ...
 
         The interval is recorded on exit even when the block raises or is cancelled.
+        ``shared=True``: the work of a shared lease (see :attr:`Interval.shared`).
         """
-        return Guard(self, lock, holder, fencing_token)
+        return Guard(self, lock, holder, fencing_token, shared=shared)
 
-    def guard_lease(self, lease: Lease, holder: str) -> Guard:
+    def guard_lease(self, lease: Lease, holder: str, *, shared: bool = False) -> Guard:
         """:meth:`guard` for an asynclock lease: name and fencing token come from ``lease``.
 
         On exit the lease's ``lost_reason`` is recorded as well, so a block cancelled
         because the lease was lost records why.  A loss found only after the block
         (e.g. by the release) is not seen here: pass ``on_event=history.on_event`` to
-        :func:`asynclock.lease` for that.
+        :func:`asynclock.lease` for that.  Pass ``shared=True`` for a shared lease.
         """
-        return Guard(self, lease.name, holder, lease.fencing_token, lease)
+        return Guard(self, lease.name, holder, lease.fencing_token, lease, shared=shared)
 
     def record(self, item: Interval | Pause | Loss) -> None:
         """Add one record (and append it to the file, if any).
@@ -546,6 +568,8 @@ class Violation:
 
 def _who(interval: Interval) -> str:
     notes = ", paused" if interval.paused else ""
+    if interval.shared:
+        notes += ", shared"
     if interval.lost is not None:
         notes += f", lost: {interval.lost}"
     return f"{interval.holder} (fence {interval.fencing_token}{notes})"
@@ -647,6 +671,8 @@ def _overlaps(intervals: Iterable[Interval], include_paused: bool) -> list[Overl
                     break  # sorted by start: no later interval overlaps `first` either
                 if second.holder == first.holder and second.fencing_token == first.fencing_token:
                     continue  # two records of one lease, not two holders
+                if first.shared and second.shared:
+                    continue  # shared holders may hold together
                 seconds = min(first.end, second.end) - second.start
                 found.append(Overlap(lock, first, second, seconds))
     return found
@@ -659,9 +685,11 @@ def check_no_overlap(
 
     Intervals that only touch (one ends exactly when the other starts) do not overlap.
     Two records with the same holder and fencing token are one lease and are not
-    compared.  Paused intervals (see :attr:`Interval.paused`) are left out unless
-    ``include_paused``: a holder stopped longer than its TTL is expected to lose the lock
-    while it believes it holds it, which is what fencing tokens are for.
+    compared, nor are two shared intervals (:attr:`Interval.shared`): an exclusive
+    interval beside any other is an overlap.  Paused intervals (see
+    :attr:`Interval.paused`) are left out unless ``include_paused``: a holder stopped
+    longer than its TTL is expected to lose the lock while it believes it holds it,
+    which is what fencing tokens are for.
     """
     return _overlaps(intervals, include_paused)
 
@@ -684,15 +712,26 @@ def check_fencing(intervals: Iterable[Interval]) -> list[FencingViolation]:
     before it; each violation names the offending interval and the earlier one holding
     the highest token so far.  Paused intervals are included.  Record one interval per
     lease: two records of one lease have equal tokens and are reported.
+
+    Shared intervals (:attr:`Interval.shared`) are not compared with one another (shared
+    holders granted close together may start their work in either order): each one must
+    be above every exclusive interval that started before it, and an exclusive one above
+    every interval that started before it.
     """
     found = []
     for lock, group in _by_lock(intervals, include_paused=True).items():
-        best: Interval | None = None
+        best: Interval | None = None  # the highest token so far, of any interval
+        best_exclusive: Interval | None = None  # ... of an exclusive one
         for interval in group:
-            if best is not None and interval.fencing_token <= best.fencing_token:
-                found.append(FencingViolation(lock, best, interval))
+            bar = best_exclusive if interval.shared else best
+            if bar is not None and interval.fencing_token <= bar.fencing_token:
+                found.append(FencingViolation(lock, bar, interval))
             if best is None or interval.fencing_token > best.fencing_token:
                 best = interval
+            if not interval.shared and (
+                best_exclusive is None or interval.fencing_token > best_exclusive.fencing_token
+            ):
+                best_exclusive = interval
     return found
 
 
