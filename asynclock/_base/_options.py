@@ -7,6 +7,7 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -33,7 +34,24 @@ __all__ = [
 
 def is_client(value: object) -> bool:
     """Whether ``value`` is a client a lease can be taken through (see ``Client``)."""
-    return type(value) in _CLIENT_TYPES or isinstance(value, Redis | RedisCluster)
+    return (
+        type(value) in _CLIENT_TYPES
+        or isinstance(value, Redis | RedisCluster)
+        or _valkey_client(value)
+    )
+
+
+def _valkey_client(value: object) -> bool:
+    """Whether ``value`` is a ``valkey.asyncio.Valkey`` client (valkey-py: the Valkey
+    project's fork of redis-py, same API; a Sentinel's ``master_for()`` one too). Never
+    imports valkey-py: an application with such a client has imported it."""
+    module = sys.modules.get("valkey.asyncio")
+    return module is not None and isinstance(value, module.Valkey)
+
+
+def _valkey_cluster(value: object) -> bool:
+    module = sys.modules.get("valkey.asyncio.cluster")
+    return module is not None and isinstance(value, module.ValkeyCluster)
 
 
 MIN_TTL = 0.03
@@ -74,7 +92,8 @@ _BUILT_MAX = 1024
 _PERMITS: dict[tuple[LeaseOptions, int], LeaseOptions] = {}  # see LeaseOptions.permit
 
 MAX_LIMIT: Final = 1000
-"""The most permits a semaphore may have: each acquire looks at every permit's key."""
+"""The most permits a semaphore may have (an acquire finds a free one in an index, in
+O(log N): the bound is for ``inspect()``, which reads every permit's key)."""
 
 MAX_REPLICAS: Final = 64
 """The most replicas ``min_replicas`` may ask to confirm a lease."""
@@ -204,6 +223,12 @@ class LeaseOptions:
         """The pub/sub channel on which releases of the lock (any of its permits) are
         announced."""
         return self.base_key + ":released"
+
+    @property
+    def permits_key(self) -> str:
+        """A semaphore's index of its permits (slot -> server ms at which its key
+        expires; see ``SEMAPHORE_ACQUIRE``)."""
+        return self.base_key + ":permits"
 
     def permit_keys(self) -> list[str]:
         """A semaphore's ``limit`` permit keys, in slot order."""
@@ -353,10 +378,17 @@ class LeaseOptions:
                 pass
             except TypeError:  # an unhashable argument: built (and reported) uncached
                 key = None
-        elif not isinstance(redis, Redis | RedisCluster):  # (slow: once per type)
+        elif _valkey_cluster(redis):
+            raise TypeError(
+                "redis: a valkey.asyncio.ValkeyCluster client is not supported yet; use a "
+                "redis.asyncio.cluster.RedisCluster client of the Valkey cluster (the same "
+                "protocol), or valkey.asyncio.Valkey for one server"
+            )
+        elif not isinstance(redis, Redis | RedisCluster) and not _valkey_client(redis):
             raise TypeError(
                 "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
-                f"asyncio API), not {type(redis).__module__}.{type(redis).__qualname__}"
+                "asyncio API) or a valkey.asyncio.Valkey client, not "
+                f"{type(redis).__module__}.{type(redis).__qualname__}"
             )
         else:
             _CLIENT_TYPES.add(type(redis))

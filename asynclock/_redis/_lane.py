@@ -44,6 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ._cluster import is_sharded
 from ._compat import as_connection_error, as_max_connections_error, exhausted, get_connection
+from ._valkey import as_redis_error, valkey_errors
 
 __all__ = [
     "Lane",
@@ -225,8 +226,10 @@ class Lane:
         self._held += 1  # counted before the await: a burst takes no more than _size
         try:
             connection = await get_connection(pool)
-        except BaseException:
+        except BaseException as exc:
             self._held -= 1
+            if isinstance(exc, valkey_errors()):  # (a valkey-py pool's: see _valkey)
+                raise as_redis_error(exc) from exc.__cause__
             raise
         timeout = connection.socket_timeout
         connection.socket_timeout = None  # our own bound replaces it (see the design note)
@@ -327,6 +330,8 @@ async def _round_trip(connection: Any, packed: bytes, count: int = 1) -> object:
             except AuthenticationError as error:  # (NOAUTH: the command did not run)
                 mark_not_sent(error)
                 raise
+            except valkey_errors() as error:
+                return _valkey_reply(error)
         replies: list[object] = []
         for _ in range(count):
             try:
@@ -336,9 +341,28 @@ async def _round_trip(connection: Any, packed: bytes, count: int = 1) -> object:
             except AuthenticationError as error:
                 mark_not_sent(error)
                 raise
+            except valkey_errors() as error:
+                replies.append(_valkey_reply(error))
         return replies
     except AttributeError as error:  # (a dropped connection, on some Pythons: _compat)
         raise as_connection_error(error)  # noqa: B904 (chained by as_connection_error)
+    except valkey_errors() as error:  # (a valkey-py connection's: see _valkey)
+        raise as_redis_error(error) from error.__cause__
+
+
+def _valkey_reply(error: BaseException) -> object:
+    """What the reading of a reply that raised ``error`` (a valkey-py one) gives: an
+    error reply in its place, as a redis-py one is; else the error is raised, as both
+    (see ``_valkey``)."""
+    translated = as_redis_error(error)
+    if isinstance(translated, AuthenticationError):  # (NOAUTH: the command did not run)
+        mark_not_sent(translated)
+    elif isinstance(translated, ResponseError):
+        return translated
+    raise translated from error.__cause__
+
+
+_NO_CONNECTION: Final[tuple[type[BaseException], ...]] = (RedisConnectionError, OSError)
 
 
 async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
@@ -354,8 +378,8 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
     pool = client.connection_pool
     try:
         connection = await get_connection(pool)
-    except (RedisConnectionError, OSError) as exc:
-        error = as_max_connections_error(exc)  # (redis-py before 8: see _compat)
+    except _NO_CONNECTION + valkey_errors() as exc:
+        error = as_max_connections_error(as_redis_error(exc))  # (redis-py < 8: _compat)
         mark_not_sent(error)
         raise error  # noqa: B904 (chained by as_max_connections_error)
     try:
@@ -369,6 +393,8 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
             except AuthenticationError as error:  # (NOAUTH: the command did not run)
                 mark_not_sent(error)
                 raise
+            except valkey_errors() as error:
+                replies.append(_valkey_reply(error))
         return replies
     except BaseException as exc:
         # At once: a graceful close could wait for the peer, and a renewal in flight must
@@ -376,6 +402,8 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
         await connection.disconnect(nowait=True)
         if isinstance(exc, AttributeError):  # (a dropped connection, on some Pythons)
             raise as_connection_error(exc)  # noqa: B904 (chained by as_connection_error)
+        if isinstance(exc, valkey_errors()):  # (a valkey-py connection's: see _valkey)
+            raise as_redis_error(exc) from exc.__cause__
         raise
     finally:
         await pool.release(connection)

@@ -23,10 +23,7 @@ from typing import Any
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection
-from redis.backoff import NoBackoff
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from .._base._shield import finish
 from .._redis._cluster import cluster_of, holding_of, is_sharded, mark_sharded
@@ -34,6 +31,7 @@ from .._redis._compat import fit_settings
 from .._redis._lane import Lane
 from .._redis._leftovers import forget_closed_loops
 from .._redis._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
+from .._redis._valkey import family_of, sentinel_classes
 from ._sentinel import follow_primary, sentinel_primary_pool
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
@@ -78,7 +76,7 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
     # (fit_settings: only what this redis-py's connection class takes, CLIENT SETINFO off)
     settings.update(protocol=2, health_check_interval=0)
     fitted = fit_settings(pool.connection_class, settings)
-    if issubclass(pool.connection_class, SentinelManagedConnection):
+    if issubclass(pool.connection_class, sentinel_classes()[1]):
         # A Sentinel client's connections ask its pool (a weak proxy) where the primary
         # is now, at every connect: after a failover ours reconnect to the new one.
         fitted["connection_pool"] = pool.connection_kwargs["connection_pool"]
@@ -94,10 +92,6 @@ HoldEntry = tuple[str, "asyncio.Task[Any] | None"]
 """A task inside a block or guard of a lock: (the lock's lease key, the task)."""
 
 
-def _no_retry() -> Retry:
-    return Retry(NoBackoff(), 0)
-
-
 class Companion:
     """Per-client, per-loop state: the renewal pool, the watchdog and the waiting room."""
 
@@ -105,6 +99,8 @@ class Companion:
         self.client = client
         self.loop = loop
         self.connection_class, self.settings = connection_settings(client)
+        self.family = family_of(client)
+        """redis-py's or valkey-py's classes, for asynclock's own pools (``_valkey``)."""
         self.sharded = is_sharded(client)
         """A client of a cluster node: sharded pub/sub (see ``_redis._cluster``)."""
         self.room = WaitingRoom(self.connection_class, self.settings, sharded=self.sharded)
@@ -182,10 +178,11 @@ class Companion:
         if self._renewer is None:
             # No socket timeout: every renewal has a time limit of its own.
             settings = {**self.settings, "socket_timeout": None}
-            pool = ConnectionPool(
-                connection_class=self.connection_class, **settings, retry=_no_retry()
+            family = self.family
+            pool = family.pool(
+                connection_class=self.connection_class, **settings, retry=family.no_retry()
             )
-            self._renewer = Redis.from_pool(pool)
+            self._renewer = family.client.from_pool(pool)
         return self._renewer
 
     async def _follow_primary(self, pool: SentinelConnectionPool, deadline: float) -> None:
@@ -200,14 +197,15 @@ class Companion:
         error, so a burst of thousands of leases queues instead of failing.
         """
         if self._overflow is None:
-            pool = BlockingConnectionPool(
+            family = self.family
+            pool = family.blocking_pool(
                 connection_class=self.connection_class,
                 max_connections=_OVERFLOW_CONNECTIONS,
                 timeout=None,
                 **self.settings,
-                retry=_no_retry(),
+                retry=family.no_retry(),
             )
-            self._overflow = Redis.from_pool(pool)
+            self._overflow = family.client.from_pool(pool)
             if self.sharded:
                 mark_sharded(self._overflow)
         return self._overflow
@@ -219,9 +217,13 @@ class Companion:
 
         Raises what the exchange raised (a Redis or connection error, ``TimeoutError``).
         """
-        keys = [key, f"{key}:void:{token}", key + ":waiting"]
-        args: list[Arg] = [token, tombstone_ms, key + ":released", self.room.origin]
+        keys, args = self.abandon_call(key, token, tombstone_ms)
         await finish(run_idempotent(ABANDON, self.lane, self.overflow, keys, args), limit)
+
+    def abandon_call(self, key: str, token: str, tombstone_ms: int) -> tuple[list[str], list[Arg]]:
+        """ABANDON's keys and arguments for ``token`` on the lock whose lease key is ``key``."""
+        keys = [key, f"{key}:void:{token}", key + ":waiting"]
+        return keys, [token, tombstone_ms, key + ":released", self.room.origin]
 
     async def _undo_grant(self, channel: str, token: str) -> None:
         """Give back a key that another client's releaser granted to ``token``, a waiter

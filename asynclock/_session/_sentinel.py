@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 
 from .._redis._lane import Lane, reaches_another
 from .._redis._leftovers import idle_connections, pool_connections
+from .._redis._valkey import sentinel_classes, valkey_errors
 
 __all__ = ["follow_primary", "sentinel_primary_pool"]
 
@@ -42,9 +43,12 @@ log = logging.getLogger("asynclock")
 def sentinel_primary_pool(client: Redis) -> SentinelConnectionPool | None:
     """``client``'s pool if it is a Sentinel pool of a primary (``master_for``), else None."""
     pool = client.connection_pool
-    if isinstance(pool, SentinelConnectionPool) and pool.is_master:
-        return pool
+    if isinstance(pool, sentinel_classes()[0]) and pool.is_master:
+        return pool  # type: ignore[no-any-return]
     return None
+
+
+_UNANSWERED: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
 
 async def follow_primary(
@@ -65,7 +69,7 @@ async def follow_primary(
     try:
         async with asyncio.timeout_at(deadline):
             address: tuple[str, int] = await pool.get_master_address()  # type: ignore[no-untyped-call]
-    except (RedisError, OSError, TimeoutError) as exc:
+    except _UNANSWERED + valkey_errors() as exc:
         log.debug("no sentinel said where the primary is: %r", exc)
         return
     home = lane.home = (address[0], int(address[1]))

@@ -1,0 +1,130 @@
+"""valkey-py clients: the Valkey project's fork of redis-py, with the same API and its own
+exception classes.
+
+Design note. asynclock drives a client's pools and connections directly (see ``_lane``),
+which valkey-py's mirror, so a ``valkey.asyncio.Valkey`` client (a Sentinel's
+``master_for()`` one too) works as a redis-py one does; what differs is that it raises
+``valkey.exceptions.*``, which redis-py's classes do not catch. Where a reply or an error
+comes off a connection (the lane's round trips and the pools asked for a connection), a
+valkey-py error is turned into one that is both: an instance of a class deriving from the
+redis-py class of the same name and from the valkey-py class itself, with the same
+arguments, attributes and traceback. asynclock's own handling (NOSCRIPT, a connection
+error, an error reply returned in a reply's place) then works unchanged, and an
+application that catches ``valkey.exceptions.ConnectionError`` still catches it.
+
+valkey-py is never imported here: a valkey-py error can only exist once the application
+has imported it, so :func:`valkey_errors` looks for it in ``sys.modules`` when an error
+is being matched (never on the path of a reply).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Final
+
+import redis.exceptions
+
+__all__ = ["Family", "as_redis_error", "family_of", "sentinel_classes", "valkey_errors"]
+
+_BOTH: dict[type[BaseException], type[BaseException]] = {}
+_NONE: Final[tuple[type[BaseException], ...]] = ()
+
+
+def valkey_errors() -> tuple[type[BaseException], ...]:
+    """``(valkey.exceptions.ValkeyError,)`` once valkey-py is imported, else ``()``: for
+    an ``except`` clause, evaluated only when an error is matched."""
+    module = sys.modules.get("valkey.exceptions")
+    return _NONE if module is None else (module.ValkeyError,)
+
+
+def as_redis_error(error: BaseException) -> BaseException:
+    """``error`` as an instance of both its valkey-py class and the redis-py class of the
+    same name (the nearest base's name, ``RedisError`` for ``ValkeyError``), same
+    arguments, attributes and traceback; any other error as it is."""
+    errors = valkey_errors()
+    if (
+        not errors
+        or not isinstance(error, errors)
+        or isinstance(error, redis.exceptions.RedisError)
+    ):
+        return error
+    both = _BOTH.get(type(error))
+    if both is None:
+        both = _BOTH[type(error)] = _both(type(error))
+    translated: Any
+    try:  # (redis-py's __init__ sets attributes of its own: error_type, status_code)
+        translated = both(*error.args)
+    except Exception:  # (a class whose __init__ takes other arguments)
+        translated = both.__new__(both, *error.args)
+    translated.args = error.args
+    translated.__dict__.update(error.__dict__)
+    translated.__cause__ = error.__cause__
+    translated.__context__ = error.__context__
+    translated.__suppress_context__ = error.__suppress_context__
+    return translated.with_traceback(error.__traceback__)  # type: ignore[no-any-return]
+
+
+def _both(cls: type[BaseException]) -> type[BaseException]:
+    """The class deriving from redis-py's counterpart of ``cls`` and from ``cls``."""
+    counterpart: type[BaseException] = redis.exceptions.RedisError
+    for base in cls.__mro__:
+        name = "RedisError" if base.__name__ == "ValkeyError" else base.__name__
+        found = getattr(redis.exceptions, name, None)
+        if isinstance(found, type) and issubclass(found, redis.exceptions.RedisError):
+            counterpart = found
+            break
+    return type(cls.__name__, (counterpart, cls), {"__module__": cls.__module__})
+
+
+class Family:
+    """The classes asynclock builds its own pools and clients from, of the library a
+    client is from (redis-py or valkey-py): a pool of one library's connections must be
+    of the same library."""
+
+    __slots__ = (
+        "_root",
+        "blocking_pool",
+        "client",
+        "pool",
+        "sentinel_connection",
+        "sentinel_pool",
+    )
+
+    def __init__(self, root: str) -> None:
+        asyncio_ = importlib.import_module(f"{root}.asyncio")
+        connection = importlib.import_module(f"{root}.asyncio.connection")
+        sentinel = importlib.import_module(f"{root}.asyncio.sentinel")
+        self.client: Any = asyncio_.Valkey if root == "valkey" else asyncio_.Redis
+        self.pool: Any = connection.ConnectionPool
+        self.blocking_pool: Any = connection.BlockingConnectionPool
+        self.sentinel_pool: type[Any] = sentinel.SentinelConnectionPool
+        self.sentinel_connection: type[Any] = sentinel.SentinelManagedConnection
+        self._root = root
+
+    def no_retry(self) -> Any:
+        """A ``Retry`` that makes no second attempt."""
+        retry = importlib.import_module(f"{self._root}.asyncio.retry")
+        backoff = importlib.import_module(f"{self._root}.backoff")
+        return retry.Retry(backoff.NoBackoff(), 0)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def family_of(client: object) -> Family:
+    """The :class:`Family` of ``client`` (a redis-py or valkey-py asyncio client)."""
+    root = "valkey" if type(client).__module__.startswith("valkey.") else "redis"
+    family = _FAMILIES.get(root)
+    if family is None:
+        family = _FAMILIES[root] = Family(root)
+    return family
+
+
+def sentinel_classes() -> tuple[tuple[type[Any], ...], tuple[type[Any], ...]]:
+    """The Sentinel pool classes and Sentinel connection classes of the libraries in use."""
+    families = [family_of(None), *(f for r, f in _FAMILIES.items() if r != "redis")]
+    return (
+        tuple(f.sentinel_pool for f in families),
+        tuple(f.sentinel_connection for f in families),
+    )
