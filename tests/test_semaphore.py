@@ -1,8 +1,9 @@
 """Semaphores: ``lease(redis, name, limit=N)`` holds one of N permits (issue 20, B).
 
 Each permit is a lease of its own key: renewed, lost, cancelled and released as any
-lease. Tests across clients and processes, with a SIGKILLed holder, a deleted permit,
-cancellations in flight, and conflicting limits.
+lease; a free one is found in the semaphore's index (issue 29). Tests across clients and
+processes, with a SIGKILLed holder, a deleted permit, a deleted index, cancellations in
+flight, retried and undone attempts, and conflicting limits.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import Monitor, wait_until
 from redis.asyncio import Redis
 
 import asynclock
 from asynclock import LeaseEventKind, LimitConflict, LockBusy, LockLost, LossReason
+from asynclock._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -294,3 +296,92 @@ async def test_bad_limits_are_refused_before_any_io(
     with pytest.raises(error, match=text):
         await asynclock.acquire(nowhere, "x", limit=limit)  # type: ignore[arg-type]
     await nowhere.aclose()
+
+
+async def test_a_permit_is_found_without_looking_at_the_others(
+    redis_server: object, client: Redis, prefix: str
+) -> None:
+    """300 permits of 300 held: an attempt, a release and the next acquire each run a
+    handful of commands inside their script (no scan of the permits), the busy attempt
+    says when the first permit expires, and the released slot is the one taken next."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    held = [
+        await asynclock.acquire(client, "big", limit=300, ttl=30, prefix=prefix) for _ in range(300)
+    ]
+    assert sorted(int(h.key.rpartition(":")[2]) for h in held) == list(range(300))
+    stem = f"{prefix}{{big}}"
+    async with Monitor(url) as monitor:
+        start = await monitor.mark()
+        with pytest.raises(LockBusy) as busy:
+            await asynclock.acquire(client, "big", limit=300, ttl=30, prefix=prefix, blocking=False)
+        assert busy.value.retry_after is not None
+        assert 25 < busy.value.retry_after <= 30
+        await held[7].release()
+        again = await asynclock.acquire(client, "big", limit=300, ttl=30, prefix=prefix)
+        end = await monitor.mark()
+        inside = [line for line in monitor.lines[start:end] if " lua]" in line and stem in line]
+    assert again.key == f"{stem}:permit:7"
+    assert len(inside) < 40, inside  # (three scripts; a scan would read 300 keys)
+    for lease in [again, *held[:7], *held[8:]]:
+        await lease.release()
+    assert not await client.exists(*(f"{stem}:permit:{i}" for i in range(300)))
+    stats = await asynclock.statistics(client, "big", prefix=prefix)
+    assert (stats.permits_in_use, stats.held) == (0, False)
+
+
+async def test_a_retried_attempt_finds_its_permit_and_an_undone_one_is_gone(
+    client: Redis, prefix: str
+) -> None:
+    """The acquire script sent twice with one token (a reply lost) holds one permit and
+    answers the same fencing token and slot; its undo gives the permit back, and the
+    attempt arriving after the undo takes nothing."""
+    base = f"{prefix}{{retry}}"
+    token = "a" * 32
+    void = f"{base}:void:{token}"
+    keys = [base + ":limit", base + ":fence", void, base, base + ":permits"]
+    args = [token, 5000, 50000, 3]
+    first = await SEMAPHORE_ACQUIRE(client, keys, args)
+    second = await SEMAPHORE_ACQUIRE(client, keys, args)
+    assert first == second
+    assert first[0] == 1  # type: ignore[index]
+    stats = await asynclock.statistics(client, "retry", prefix=prefix)
+    assert stats.permits_in_use == 1
+    undo = [void, base + ":permits", base]
+    assert await SEMAPHORE_ABANDON(client, undo, [token, 10000, base + ":released", "o"]) == 1
+    assert (await asynclock.statistics(client, "retry", prefix=prefix)).permits_in_use == 0
+    late = await SEMAPHORE_ACQUIRE(client, keys, args)
+    assert late[0] == -1  # type: ignore[index]
+    assert (await asynclock.statistics(client, "retry", prefix=prefix)).permits_in_use == 0
+
+
+async def test_a_lost_index_never_gives_a_held_permit_twice(client: Redis, prefix: str) -> None:
+    """The semaphore's index deleted from outside while two of three permits are held: a
+    new acquire takes the third permit, not a held one, and the next finds all held."""
+    held = [
+        await asynclock.acquire(client, "lost", limit=3, ttl=30, prefix=prefix) for _ in range(2)
+    ]
+    await client.delete(f"{prefix}{{lost}}:permits")
+    third = await asynclock.acquire(client, "lost", limit=3, ttl=30, prefix=prefix)
+    assert third.key not in {h.key for h in held}
+    with pytest.raises(LockBusy):
+        await asynclock.acquire(client, "lost", limit=3, ttl=30, prefix=prefix, blocking=False)
+    for lease in [*held, third]:
+        await lease.release()
+        assert lease.state is asynclock.LeaseState.RELEASED
+
+
+async def test_the_index_goes_with_the_last_permit(client: Redis, prefix: str) -> None:
+    """Permits taken and given back, then one left to expire (its holder gone): the
+    index expires with it, and the semaphore starts again from slot 0."""
+    for _ in range(3):
+        async with asynclock.lease(client, "gone", limit=4, ttl=0.3, prefix=prefix):
+            pass
+    index = f"{prefix}{{gone}}:permits"
+    assert 0 < await client.pttl(index) <= 300
+    await wait_until(lambda: _missing(client, index), what="the index to expire")
+    async with asynclock.lease(client, "gone", limit=4, ttl=0.3, prefix=prefix) as held:
+        assert held.key.endswith(":permit:0")
+
+
+async def _missing(client: Redis, key: str) -> bool:
+    return not await client.exists(key)

@@ -58,9 +58,9 @@ class LockInfo:
     """The last fencing token minted for the lock (by any holder), if the counter lives."""
     retention: dict[str, float | None]
     """The lock's auxiliary keys that exist, by suffix (``fence``, ``waiting``, ``queue``,
-    ``queue:alive``, ``readers``, ``limit``, ``result``), each with the seconds before it
-    expires (None: no expiry). Short-lived per-holder keys (tombstones, shared holders'
-    keys, tick marks of ``every``) are not listed."""
+    ``queue:alive``, ``readers``, ``limit``, ``permits``, ``result``), each with the
+    seconds before it expires (None: no expiry). Short-lived per-holder keys (tombstones,
+    shared holders' keys, tick marks of ``every``) are not listed."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, for JSON."""
@@ -155,7 +155,16 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
 
 # The suffixes of a lock's auxiliary keys after ``<prefix>{name}:`` (``once``'s result
 # key too: the lease key of a mutex is the base key).
-_AUXILIARY = ("fence", "waiting", "queue", "queue:alive", "readers", "limit", "result")
+_AUXILIARY = (
+    "fence",
+    "waiting",
+    "queue",
+    "queue:alive",
+    "readers",
+    "limit",
+    "permits",
+    "result",
+)
 
 
 def _permits(options: LeaseOptions, limit: int) -> list[str]:
@@ -242,6 +251,7 @@ async def force_release(
     node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
     keys = [options.key, options.readers_key]
     keys += _permits(options, info.limit or 0)
+    keys.append(options.permits_key)  # (with every permit: slots are taken from 0 again)
     readers = await node.zrange(options.readers_key, 0, -1)
     keys += [f"{options.key}:reader:{_text(r)}" for r in readers]
     expected = "" if fencing_token is None else str(fencing_token)

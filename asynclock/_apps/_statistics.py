@@ -60,11 +60,12 @@ async def statistics(redis: Client, name: str, *, prefix: str = "asynclock:") ->
         options.waiting_key,
         base + ":queue",
         base + ":queue:alive",
+        options.permits_key,
     ]
     if isinstance(redis, RedisCluster):  # (the lock's node: see _redis/_cluster)
         redis = await node_client(redis, base)
     companion = companion_for(redis)
-    reply = await STATISTICS(companion.lane, keys, [base + ":permit:"])
+    reply = await STATISTICS(companion.lane, keys, [])
     pttl, shared, readers, limit, permits, waiting, queued = (
         int(x) for x in cast(list[int], reply)
     )

@@ -2,12 +2,15 @@
 
 Design note. A semaphore of N is N permit keys, ``<prefix>{name}:permit:<i>``; a permit
 held is a lease of its own on one of them. So once acquired it is renewed, watched,
-lost and released by the same code as a mutex's lease (the RENEW, RELEASE and read-back
-scripts on its key); a permit whose holder dies expires on its own, by its TTL. Only
-taking one differs, and is here: the SEMAPHORE_ACQUIRE script takes the first free
-permit key in one round trip, minting a fencing token from the lock's one counter (so
-fencing tokens increase per name across all permits), or answers when the first held
-permit expires.
+lost and released by the same code as a mutex's lease, through the seam of its kind
+(PERMIT_RENEW and PERMIT_RELEASE, which keep the index below in step; the read-back of
+its key is a mutex's); a permit whose holder dies expires on its own, by its TTL. Taking
+one is here: the SEMAPHORE_ACQUIRE script finds a free slot in the semaphore's index
+``<prefix>{name}:permits`` (a sorted set of slot -> the server time its key expires at,
+0 once released) in O(log N) whatever the limit, takes its key, minting a fencing token
+from the lock's one counter (so fencing tokens increase per name across all permits),
+or answers when the first held permit expires. The attempt's void key records the slot
+taken, so a retry of ours (and the undo) finds its permit without a scan.
 
 Waiting reuses the client's waiting room (see ``_wakeup``): waiters of one client queue
 in one line per semaphore, the head tries, subscribes to the lock's release channel after
@@ -190,7 +193,7 @@ class PermitAcquisition:
             options.fence_key,
             f"{base}:void:{self._token}",
             base,
-            *options.permit_keys(),
+            options.permits_key,
         ]
         args: list[Arg] = [self._token, options.ttl_ms, options.fence_ttl_ms, options.limit]
         task = asyncio.current_task()
@@ -246,7 +249,7 @@ class PermitAcquisition:
         later, within ``limit`` seconds (at most ``release_timeout``)."""
         options = self._options
         companion = self._companion
-        keys = [f"{options.base_key}:void:{self._token}", *options.permit_keys()]
+        keys = [f"{options.base_key}:void:{self._token}", options.permits_key, options.base_key]
         args: list[Arg] = [
             self._token,
             options.tombstone_ms,

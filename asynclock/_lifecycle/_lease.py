@@ -34,6 +34,8 @@ from .._base._options import LeaseOptions
 from .._base._shield import cancel_dropped, cancelling
 from .._redis._cluster import cluster_of, node_at
 from .._redis._scripts import (
+    PERMIT_RENEW,
+    PERMIT_RENEW_HEAD,
     RENEW,
     RENEW_HEAD,
     SHARED_RENEW,
@@ -382,7 +384,8 @@ class Lease:
         """The key's value while we own it: ``<token>:<fencing token>``."""
         value = self._value
         if isinstance(value, bytes):  # (packed by _renew_tail: after the keys)
-            return unpack_arg(value, 3 if self._options.shared else 1).decode("ascii")
+            keys = 3 if self._options.shared else 2 if self._options.slot >= 0 else 1
+            return unpack_arg(value, keys).decode("ascii")
         return value
 
     def _loss_error(self) -> LockLost:
@@ -535,6 +538,8 @@ class Lease:
             keys = [self.key]
             if options.shared:
                 keys += (options.base_key, options.readers_key)
+            elif options.slot >= 0:  # (a permit: and its slot in the semaphore's index)
+                keys.append(options.permits_key)
             args: list[Arg] = [self._owner(), options.ttl_ms]
             try:
                 client = self._companion.renewer()
@@ -572,16 +577,21 @@ class Lease:
         return True
 
     # The kind of lock's renewal. (The watchdog renews any lease through these three;
-    # see docs/architecture.md, the seam a kind implements.) A lease of a mutex, of a
-    # semaphore's permit and of a fair lock renews its own key with RENEW; a shared
-    # lease renews its key and the lock's shared marker with SHARED_RENEW.
+    # see docs/architecture.md, the seam a kind implements.) A lease of a mutex and of a
+    # fair lock renews its own key with RENEW; a semaphore's permit its key and its slot
+    # in the index with PERMIT_RENEW; a shared lease its key and the lock's shared marker
+    # with SHARED_RENEW.
 
     @property
     def _renew_script(self) -> Script:
+        if self._options.slot >= 0:
+            return PERMIT_RENEW
         return SHARED_RENEW if self._options.shared else RENEW
 
     @property
     def _renew_head(self) -> bytes:
+        if self._options.slot >= 0:
+            return PERMIT_RENEW_HEAD
         return SHARED_RENEW_HEAD if self._options.shared else RENEW_HEAD
 
     def _renew_tail(self) -> bytes:
@@ -596,6 +606,10 @@ class Lease:
         if options.shared:
             packed = self._companion.pack_args(
                 options.key, options.base_key, options.readers_key, value, options.ttl_ms
+            )
+        elif options.slot >= 0:
+            packed = self._companion.pack_args(
+                options.key, options.permits_key, value, options.ttl_ms
             )
         else:
             packed = self._companion.pack_args(options.key, value, options.ttl_ms)

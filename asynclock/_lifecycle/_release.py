@@ -24,7 +24,16 @@ from .._base._exceptions import LossReason
 from .._base._options import LeaseOptions
 from .._base._shield import finish, finish_idempotent
 from .._kinds._mutex import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, register_ms, unregister
-from .._redis._scripts import HANDOFF, RELEASE, SHARED_RELEASE, STORE, UNKNOWN_OUTCOME, Arg, Script
+from .._redis._scripts import (
+    HANDOFF,
+    PERMIT_RELEASE,
+    RELEASE,
+    SHARED_RELEASE,
+    STORE,
+    UNKNOWN_OUTCOME,
+    Arg,
+    Script,
+)
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
 
@@ -259,6 +268,9 @@ async def _send_release(
     elif successor is None:
         script = RELEASE
         keys = [options.key]
+        if options.slot >= 0:  # (a permit: its slot in the semaphore's index too)
+            script = PERMIT_RELEASE
+            keys.append(options.permits_key)
         args = [held._owner(), options.channel, room.origin]
         if keep_ms:
             args.append(keep_ms)

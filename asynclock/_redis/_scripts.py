@@ -10,6 +10,10 @@ they live in one Redis Cluster slot)::
                          (server ms), then ":<token>:<loop time>:<ttl ms>:<at ms>"
                          when the client offers its first waiter's token for a grant
                          (made at <at ms>); written by blocking waits, read by HANDOFF
+    P{N}:permit:<i>      permit i of a semaphore (lease(..., limit=L), 0 <= i < L): a
+                         lease key as P{N} is (its attempt's void key holds "p<i>")
+    P{N}:permits         a semaphore's index: slot -> server ms its permit expires at
+    P{N}:limit           the limit a semaphore's permits are held with
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
                          (the releaser's origin id)
     P{N}:released:<id>   pub/sub channel of the client with origin id <id>: a grant
@@ -48,6 +52,9 @@ __all__ = [
     "FAIR_ACQUIRE",
     "FAIR_LEAVE",
     "HANDOFF",
+    "PERMIT_RELEASE",
+    "PERMIT_RENEW",
+    "PERMIT_RENEW_HEAD",
     "RELEASE",
     "RENEW",
     "RENEW_HEAD",
@@ -591,19 +598,37 @@ return deleted
 )
 
 
+# -- semaphores -------------------------------------------------------------------------
+# A permit of a semaphore of N is one of N permit keys, '<lock key>:permit:<i>' (value
+# '<token>:<fencing token>', PX = ttl), renewed, lost and released as a lease of its own.
+# The index '<lock key>:permits', a sorted set of slot -> server time in ms at which the
+# permit key expires (0: released), finds a free permit without looking at the others:
+# every script that sets a permit key's expiry sets its score too, so a slot whose score
+# has passed is free, and the slots are exactly 0 .. ZCARD-1 (a slot is added once, at the
+# end, and never removed; the whole index expires no earlier than its last permit). A
+# permit key is named from the lock's key in the script (it is only known there); it
+# shares the lock's hash tag, so it is in the same Cluster slot as the declared keys.
+
+_PERMIT_NOW = """local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
 SEMAPHORE_ACQUIRE = Script(
     "semaphore_acquire",
     """
--- A permit of a semaphore: one of its `limit` permit keys, each a lease key of its own
--- (renewed, released and lost as one; the fencing counter is the lock's).
+-- A permit of a semaphore: a free slot found in its index (O(log N)), its key set with a
+-- fencing token from the lock's one counter (so tokens rise per name across permits).
 -- KEYS[1] the limit the permits are held with, KEYS[2] fence counter, KEYS[3] this
--- attempt's tombstone, KEYS[4] the lock's key as a plain lock, KEYS[5..] the permit keys
+-- attempt's key: '1' is its tombstone (see SEMAPHORE_ABANDON), 'p<slot>' the slot it took
+-- (PX ttl: a retry of ours finds its permit there), KEYS[4] the lock's key (held as a
+-- plain lock; the stem of the permit keys), KEYS[5] the permits' index
 -- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] limit
 -- returns {1, fencing token, slot} when a permit is held by this token (new, or a retry
--- of ours), {0, pttl in ms of the permit that expires first (-1: none expires)} when
--- all are held, {-1, 0} when this attempt was abandoned, {-2, the limit they are held
--- with} for another limit, {-3, 0} when the lock is held as a plain lock (limit 1)
-if redis.call('EXISTS', KEYS[3]) == 1 then
+-- of ours), {0, pttl in ms of the permit that expires first} when all are held, {-1, 0}
+-- when this attempt was abandoned, {-2, the limit they are held with} for another limit,
+-- {-3, 0} when the lock is held as a plain lock (limit 1)
+local attempt = redis.call('GET', KEYS[3])
+if attempt == '1' then
   return {-1, 0}
 end
 local held_with = redis.call('GET', KEYS[1])
@@ -613,34 +638,56 @@ end
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {-3, 0}
 end
+"""
+    + _PERMIT_NOW
+    + """local ttl = tonumber(ARGV[2])
+local stem = KEYS[4] .. ':permit:'
 local mine = ARGV[1] .. ':'
-local free = nil
-local soonest = -1
-for i = 5, #KEYS do
-  local current = redis.call('GET', KEYS[i])
-  if current then
-    if string.sub(current, 1, #mine) == mine then
-      redis.call('PEXPIRE', KEYS[i], ARGV[2])
-      return {1, tonumber(string.match(current, '^[^:]*:(%d+)')), i - 5}
-    end
-    local pttl = redis.call('PTTL', KEYS[i])
-    if pttl >= 0 and (soonest < 0 or pttl < soonest) then
-      soonest = pttl
-    end
-  elseif not free then
-    free = i
+local function index(slot, score)
+  redis.call('ZADD', KEYS[5], score, slot)
+  if redis.call('PTTL', KEYS[5]) < score - now then  -- (never shortened)
+    redis.call('PEXPIRE', KEYS[5], score - now)
   end
 end
-if not free then
-  return {0, soonest}
+if attempt then  -- a retry of ours: the permit it took, if still ours
+  local key = stem .. string.sub(attempt, 2)
+  local current = redis.call('GET', key)
+  if current and string.sub(current, 1, #mine) == mine then
+    redis.call('PEXPIRE', key, ttl)
+    redis.call('PEXPIRE', KEYS[3], ttl)
+    index(string.sub(attempt, 2), now + ttl)
+    local fence = tonumber(string.match(current, '^[^:]*:(%d+)'))
+    return {1, fence, tonumber(string.sub(attempt, 2))}
+  end
 end
-local t = redis.call('TIME')
+local limit = tonumber(ARGV[4])
+-- (one pass, unless a permit key disagrees with its score: written from outside the
+-- scripts; it is then indexed as it is and the next candidate taken, N + 1 passes at most)
+for _ = 0, limit do
+  local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
+  local slot
+  if first[1] and tonumber(first[2]) <= now then
+    slot = first[1]  -- released, or expired with its holder
+  else
+    local count = redis.call('ZCARD', KEYS[5])
+    if count >= limit then
+      return {0, tonumber(first[2]) - now}
+    end
+    slot = tostring(count)  -- never taken yet
+  end
 """
-    + _MINT_FENCE
-    + """redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
-redis.call('SET', KEYS[free], mine .. text, 'PX', ARGV[2])
-return {1, fence, free - 5}
+    + _MINT_FENCE.replace("\n", "\n  ")
+    + """if redis.call('SET', stem .. slot, mine .. text, 'PX', ttl, 'NX') then
+    redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+    redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
+    redis.call('SET', KEYS[3], 'p' .. slot, 'PX', ttl)
+    index(slot, now + ttl)
+    return {1, fence, tonumber(slot)}
+  end
+  local pttl = redis.call('PTTL', stem .. slot)  -- (-1, no expiry: looked at after a ttl)
+  index(slot, now + (pttl > 0 and pttl or ttl))
+end
+return {0, ttl}
 """,
 )
 
@@ -648,23 +695,74 @@ SEMAPHORE_ABANDON = Script(
     "semaphore_abandon",
     """
 -- Undo an acquire attempt of a semaphore's permit that may have landed, and stop it
--- from landing later. KEYS[1] the attempt's tombstone, KEYS[2..] the permit keys
+-- from landing later. KEYS[1] the attempt's key (see SEMAPHORE_ACQUIRE), KEYS[2] the
+-- permits' index, KEYS[3] the lock's key (the stem of the permit keys)
 -- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel, ARGV[4] the
 -- client's origin id; returns how many permits it gave back (0 or 1)
+local attempt = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
-local mine = ARGV[1] .. ':'
-local freed = 0
-for i = 2, #KEYS do
-  local current = redis.call('GET', KEYS[i])
-  if current and string.sub(current, 1, #mine) == mine then
-    redis.call('DEL', KEYS[i])
-    freed = freed + 1
-  end
+if not attempt or attempt == '1' then
+  return 0
 end
-if freed > 0 then
-  redis.call('PUBLISH', ARGV[3], ARGV[4])
+local slot = string.sub(attempt, 2)
+local key = KEYS[3] .. ':permit:' .. slot
+local current = redis.call('GET', key)
+if not (current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':') then
+  return 0
 end
-return freed
+redis.call('DEL', key)
+redis.call('ZADD', KEYS[2], 'XX', 0, slot)
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
+""",
+)
+
+PERMIT_RENEW = Script(
+    "permit_renew",
+    """
+-- KEYS[1] the permit's key ('<lock key>:permit:<slot>'), KEYS[2] the permits' index;
+-- ARGV[1] the permit's full value, ARGV[2] ttl (ms)
+-- returns 1 when the key still holds our value (its TTL, and its slot's score, now
+-- exactly ttl from now), else 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+    + _PERMIT_NOW
+    + """redis.call('ZADD', KEYS[2], 'XX', now + ARGV[2], string.match(KEYS[1], '(%d+)$'))
+redis.call('PEXPIRE', KEYS[2], ARGV[2], 'GT')  -- (the index has an expiry: never shortened)
+return 1
+""",
+)
+
+PERMIT_RENEW_HEAD: Final = b"*7\r\n" + pack_args(("EVALSHA", PERMIT_RENEW.sha, 2))
+"""The start of a packed PERMIT_RENEW command; the permit's key, the index, the permit's
+value and ttl (ms) follow."""
+
+PERMIT_RELEASE = Script(
+    "permit_release",
+    """
+-- KEYS[1] the permit's key, KEYS[2] the permits' index
+-- ARGV[1] the permit's full value, ARGV[2] the release channel, ARGV[3] the releasing
+-- client's origin id, ARGV[4] (optional, hold_at_least) ms to keep the permit for
+-- returns 1 when our permit was given back (or kept) and waiters notified, 0 when not ours
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local slot = string.match(KEYS[1], '(%d+)$')
+if ARGV[4] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+"""
+    + _PERMIT_NOW.replace("local ", "  local ")
+    + """  redis.call('ZADD', KEYS[2], 'XX', now + ARGV[4], slot)
+  redis.call('PEXPIRE', KEYS[2], ARGV[4], 'GT')
+else
+  redis.call('DEL', KEYS[1])
+  redis.call('ZADD', KEYS[2], 'XX', 0, slot)  -- free from now on
+end
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1
 """,
 )
 
@@ -915,8 +1013,8 @@ STATISTICS = Script(
     """
 -- What holds a lock, and who waits for it, read in one step (nothing is written).
 -- KEYS[1] the lock's key, KEYS[2] its readers, KEYS[3] its permits' limit, KEYS[4] its
--- waiting hash, KEYS[5] its fair queue, KEYS[6] the queue's liveness hash;
--- ARGV[1] the stem of its permit keys ('<lock key>:permit:')
+-- waiting hash, KEYS[5] its fair queue, KEYS[6] the queue's liveness hash, KEYS[7] its
+-- permits' index (see SEMAPHORE_ACQUIRE)
 -- returns {pttl of the lock's key (-2: none), 1 if it holds the shared marker, live
 -- readers, the permits' limit (0: none), permits held, clients registered waiting, live
 -- queued waiters}
@@ -929,10 +1027,7 @@ if pttl ~= -2 and redis.call('GET', KEYS[1]) == 'shared' then
 end
 local readers = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
 local limit = tonumber(redis.call('GET', KEYS[3]) or '0')
-local permits = 0
-for i = 0, limit - 1 do
-  permits = permits + redis.call('EXISTS', ARGV[1] .. i)
-end
+local permits = redis.call('ZCOUNT', KEYS[7], '(' .. now, '+inf')
 local waiting = 0
 local entries = redis.call('HGETALL', KEYS[4])
 for i = 2, #entries, 2 do
