@@ -16,9 +16,9 @@ TTLs before it began): only shared holders stood in its way. That must never hap
 
 **Fair mode.** A waiter's place in the queue is the server's time of its first attempt,
 which the client does not see: it lies between ``asked_at`` and, by assumption, ``asked_at
-+ ARRIVAL_MARGIN``. A waiter is *live* from then until it gives up or is granted (as
-seen: ``waited_until - ARRIVAL_MARGIN``, and no later than ``asked_at +
-blocking_timeout``), unless its process was stopped (a ``Pause``). A grant *out of arrival
++ ARRIVAL_MARGIN``. A waiter is *live* from then until it sends its granting attempt
+(``lease_from``) or gives up (as seen: ``waited_until - ARRIVAL_MARGIN``, and no later
+than ``asked_at + blocking_timeout``), unless its process was stopped (a ``Pause``). A grant *out of arrival
 order* is a round ``later`` granted (its body began) while a round ``earlier`` of the same
 lock was live and had certainly arrived first (``earlier.asked_at + ARRIVAL_MARGIN <=
 later.asked_at``), with no pause of ``earlier``'s holder and no data loss (which empties
@@ -198,6 +198,8 @@ def _live_until(report: RoundLike) -> float | None:
     """Until when a fair round was certainly a live waiter (see the module doc)."""
     if report.asked_at is None or report.waited_until is None:
         return None
+    if report.lease_from is not None:  # granted: it waited until its granting attempt
+        return report.lease_from
     until = report.waited_until - ARRIVAL_MARGIN
     if report.blocking_timeout is not None:
         until = min(until, report.asked_at + report.blocking_timeout)

@@ -9,6 +9,7 @@ the overlap classification excuses exactly what it should.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -22,16 +23,33 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from asynclock.testing import Interval, Pause, available_engines
+from asynclock._kinds._fair import FAIR_PATIENCE
+from asynclock.testing import (
+    History,
+    Interval,
+    Pause,
+    available_engines,
+    check_fencing,
+    check_no_overlap,
+)
 from chaos import FaultKind, make_schedule
 from chaos.__main__ import main
-from chaos._nemesis import ORDINARY, Fault, Injection, make_failover_schedule
+from chaos._modes import (
+    exclusive_waits,
+    fair_bound,
+    free_while_waiting,
+    out_of_order,
+    starved_writers,
+)
+from chaos._nemesis import FAIR_KINDS, ORDINARY, Fault, Injection, make_failover_schedule
 from chaos._replication import Replication
 from chaos._run import ChaosConfig
+from chaos._soak import plan, soak
 from chaos._summary import (
     DataLoss,
     RoundReport,
     RunRecord,
+    Summary,
     classify_overlaps,
     failover_windows,
     local_handoffs,
@@ -744,3 +762,258 @@ def test_chaos_run_of_failovers_with_min_replicas(tmp_path: Path):
     assert summary["unexpected_errors"] == 0
     assert summary["acquisitions"]["total"] >= 10
     assert "failover mode (primary + replica, min_replicas 1)" in out
+
+
+# -- the shared and fair modes, and the soak (issue 31) --------------------------------
+
+
+def _mode_round(
+    holder: str,
+    kind: str,
+    asked: float,
+    waited: float,
+    *,
+    outcome: str = "released",
+    granted: bool = True,
+    blocking_timeout: float = 12 * TTL,
+    body: float = 0.3,
+) -> RoundReport:
+    """A round on lock "a" asked for at ``asked``, its wait over at ``waited`` (its body
+    then running for ``body`` s when ``granted``)."""
+    start = waited if granted else None
+    end = waited + body if granted else None
+    return RoundReport(
+        holder.partition("/")[0],
+        "a",
+        int((NOW + waited) * 1e6) if granted else None,
+        outcome,
+        None,
+        None,
+        start,
+        end,
+        None,
+        None,
+        holder=holder,
+        lease_from=waited - 0.001 if granted else None,
+        exit_end=end + 0.002 if end is not None else None,
+        kind=kind,
+        asked_at=asked,
+        waited_until=waited,
+        blocking_timeout=blocking_timeout,
+    )
+
+
+def test_shared_intervals_overlap_only_beside_an_exclusive_one():
+    readers = [
+        dataclasses.replace(_interval("r1", NOW, 1.0, 3.0), shared=True),
+        dataclasses.replace(_interval("r2", NOW + 0.1, 1.5, 2.5), shared=True),
+    ]
+    assert check_no_overlap(readers) == []
+    writer = _interval("w", NOW + 0.2, 2.9, 4.0)  # beside r1 for 0.1 s
+    overlaps = check_no_overlap([*readers, writer])
+    assert [(o.first.holder, o.second.holder) for o in overlaps] == [("r1", "w")]
+    assert "shared" in str(overlaps[0])
+    # fencing: readers are not compared with each other (r2 started first with the
+    # higher token), but each is compared with the writers before it, and vice versa
+    swapped = [
+        dataclasses.replace(_interval("r1", NOW + 0.2, 1.6, 3.0), shared=True),
+        dataclasses.replace(_interval("r2", NOW + 0.1, 1.5, 2.5), shared=True),
+    ]
+    assert check_fencing(swapped) == []
+    late_writer = _interval("w", NOW + 0.15, 3.5, 4.0)  # token below r1's
+    assert [v.later.holder for v in check_fencing([*swapped, late_writer])] == ["w"]
+    stale_reader = dataclasses.replace(_interval("r3", NOW, 5.0, 6.0), shared=True)
+    assert [v.later.holder for v in check_fencing([late_writer, stale_reader])] == ["r3"]
+
+
+def test_history_file_keeps_the_shared_flag(tmp_path: Path):
+    path = tmp_path / "history.jsonl"
+    with History(path) as history:
+        with history.guard("a", "r1", 5, shared=True):
+            pass
+        with history.guard("a", "w1", 6):
+            pass
+    assert "shared" not in path.read_text().splitlines()[1]  # exclusive lines as before
+    assert [i.shared for i in History.load(path).intervals] == [True, False]
+
+
+def test_an_exclusive_waiter_timed_out_behind_shared_holders_alone_is_starved():
+    starved = _mode_round("w0/t0", "exclusive", 10.0, 12.4, outcome="timeout", granted=False)
+    behind_writer = _mode_round("w1/t0", "exclusive", 20.0, 22.4, outcome="timeout", granted=False)
+    in_fault = _mode_round("w2/t0", "exclusive", 30.0, 32.4, outcome="timeout", granted=False)
+    writer = _interval("w3/t0", NOW, 21.0, 21.5)
+    fault = Fault(0, 0.0, FaultKind.RESET, "plain", 0.0, 0.0, 0.5, "all")
+    reset = Injection(fault, start=29.0, end=29.0)  # its aftermath reaches the wait
+    rounds = [starved, behind_writer, in_fault]
+    assert starved_writers(rounds, [writer], [reset], TTL) == [starved]
+    waits = exclusive_waits([_mode_round("w0/t1", "exclusive", 1.0, 1.5), starved])
+    assert waits == [pytest.approx(0.5)]
+
+
+def test_a_grant_out_of_arrival_order_among_live_waiters_is_caught():
+    first = _mode_round("w0/t0", "fair", 1.0, 3.0)  # asked first, granted after `jumper`
+    jumper = _mode_round("w1/t0", "plain", 1.44, 2.0)
+    close = _mode_round("w2/t0", "fair", 1.2, 2.5)  # asked within the margin of both
+    violations = out_of_order([first, jumper, close], [], [], TTL)
+    assert [(v.earlier.who, v.later.who) for v in violations] == [("w0/t0", "w1/t0")]
+    assert "was granted" in str(violations[0])
+    # excused: the earlier waiter was stopped, or a data loss emptied the queue
+    assert out_of_order([first, jumper], [Pause("w0/t0", 1.2, 1.4)], [], TTL) == []
+    assert out_of_order([first, jumper], [], [(1.6, 1.7)], TTL) == []
+    # a waiter that gave up before the grant was not waiting any more
+    gone = _mode_round("w0/t0", "fair", 1.0, 1.9, outcome="timeout", granted=False)
+    assert out_of_order([gone, jumper], [], [], TTL) == []
+
+
+def test_the_lock_free_while_a_live_waiter_waits_is_measured_against_the_bound():
+    holder = _mode_round("w0/t0", "fair", 0.0, 0.1, body=0.4)  # holds to 0.5
+    dead_head = _mode_round("w1/t0", "fair", 0.2, 5.0, granted=False, outcome="cancelled")
+    waiter = _mode_round("w2/t0", "fair", 0.2, 5.0, body=0.2)  # gets it 4.5 s later
+    gaps = free_while_waiting([holder, dead_head, waiter], [Pause("w1/t0", 0.3, 4.0)], TTL)
+    assert [g.waiter for g in gaps] == ["w2/t0"]
+    assert gaps[0].seconds > fair_bound(TTL)
+    assert fair_bound(TTL) == pytest.approx(1.5 * FAIR_PATIENCE + TTL + 0.25)
+    # the only waiter stopped: nobody live waited, nothing to measure
+    assert free_while_waiting([holder, waiter], [Pause("w2/t0", 1.0, 2.0)], TTL) == []
+
+
+def test_the_fair_mode_schedules_its_own_faults_and_the_others_none_of_them():
+    fair = make_schedule(SEED, 120.0, TTL, FAIR_KINDS)
+    assert {f.kind for f in fair} == set(FAIR_KINDS)
+    stops = [f for f in fair if f.kind is FaultKind.WAITER_STOP]
+    assert all(f.duration == pytest.approx(1.5 * FAIR_PATIENCE) for f in stops)
+    assert FaultKind.WAITER_STOP not in ORDINARY
+    assert ChaosConfig(seed=SEED, fair=True, seconds=120.0).schedule() == fair
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--shared", "1.5"],
+        ["--shared", "0.5", "--fair"],
+        ["--fair", "--limit", "2"],
+        ["--shared", "0.5", "--failover"],
+        ["--soak", "1", "--fair"],
+        ["--soak", "1", "--sabotage"],
+        ["--soak", "0"],
+    ],
+)
+def test_bad_arguments_of_the_new_modes_are_refused(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_replay_names_the_shared_and_fair_modes():
+    assert ChaosConfig(seed=1, shared=0.5).replay().endswith("--shared 0.5")
+    assert ChaosConfig(seed=1, fair=True, locks=1).replay().endswith("--locks 1 --fair")
+    assert ChaosConfig(seed=1).mode == "mutex"
+    assert ChaosConfig(seed=1, shared=0.5).mode == "shared"
+
+
+def test_the_soak_rotates_every_mode_and_adds_up_one_table():
+    runs = plan(100, 3.0)
+    assert [c.seed for c in runs] == list(range(100, 100 + len(runs)))
+    assert [c.mode for c in runs[:5]] == ["mutex", "semaphore", "shared", "fair", "failover"]
+    assert sum(c.seconds + 3.0 for c in runs) <= 3.0 * 60 + 1e-6
+    assert all(15 <= c.seconds <= 60 for c in runs)
+    assert {c.detached for c in plan(100, 20.0)} == {0.0, 0.5}  # both lease forms
+
+    def fake(config: ChaosConfig) -> tuple[Summary, Path] | str:
+        if config.mode == "failover":
+            return "no server"
+        bad = config.mode == "fair"
+        data = {
+            "seconds": config.seconds,
+            "faults": {"by_kind": {"flush": 2, "reset": 1}},
+            "acquisitions": {"total": 10},
+            "lock_lost": {"by_reason": {"deadline": 1}},
+            "overlap": {"unpaused": {"count": 0}},
+            "fair": {"out_of_order": 3 if bad else 0, "free_while_waiting": {"over_bound": 0}},
+        }
+        return Summary(not bad, ("3 grants out of order",) if bad else (), data, (), ()), Path()
+
+    out = io.StringIO()
+    assert soak(100, 1.5, runner=fake, out=out) == 1
+    text = out.getvalue()
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"mode", "mutex", "semaphore", "shared", "fair", "failover"}
+    assert "| mutex | 1 (0) | 18 | 3: flush 2, reset 1 | 10 | 1: deadline 1 |" in rows["mutex"]
+    assert rows["fair"].endswith("| 3 |")  # the mode's own must-be-0 column
+    assert rows["failover"].startswith("| failover | 0 (0) |")  # 1.5 min: 4 runs only
+    assert "python -m chaos --seed 103 --workers 4 --seconds 18 --locks 1 --fair" in text
+    assert "OK: every run" not in text
+
+
+@needs_server
+def test_chaos_run_of_shared_leases(tmp_path: Path):
+    """The shared mode: half the rounds hold a shared lease, 12 s of faults of every kind.
+    No exclusive holder beside any other, shared holders together, no exclusive waiter
+    starved by shared holders alone, and every check of the ordinary run."""
+    summary, out = _summary(
+        "--seconds", "12", "--seed", str(SEED), "--shared", "0.5", tmp=tmp_path, timeout=90
+    )
+    assert summary["ok"], out
+    assert summary["mode"] == "shared"
+    shared = summary["shared"]
+    assert shared["acquisitions"]["shared"] >= 10, shared
+    assert shared["acquisitions"]["exclusive"] >= 5, shared
+    assert max(summary["most_shared_holders_at_once"].values()) >= 2
+    assert shared["starved_writers"] == 0
+    assert shared["exclusive_wait"]["n"] == shared["acquisitions"]["exclusive"]
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["fencing_order_violations"] == 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["keys_left"] == []
+    assert summary["workers_died"] == []
+    assert "exclusive waiters starved by shared holders" in out
+
+
+@needs_server
+def test_chaos_run_of_fair_locks(tmp_path: Path):
+    """The fair mode: eight contenders queue for one fair lock, a quarter of them giving
+    up early, while the nemesis stops a waiter past the queue's patience, stops a holder,
+    resets connections, flushes and restarts the server (seed 20240603, 12 s). Grants
+    follow arrival among live waiters, and the lock is never left free for longer than
+    the bound while a live waiter waits."""
+    summary, out = _summary(
+        "--seconds", "12", "--seed", str(SEED), "--fair", "--locks", "1", tmp=tmp_path, timeout=90
+    )
+    assert summary["ok"], out
+    assert summary["mode"] == "fair"
+    assert summary["faults"]["by_kind"].get("waiter_stop") == 1, summary["faults"]
+    fair = summary["fair"]
+    assert fair["acquisitions"].get("fair", 0) >= 10, fair
+    assert fair["out_of_order"] == 0
+    assert fair["free_while_waiting"]["count"] > 0
+    assert fair["free_while_waiting"]["over_bound"] == 0
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["keys_left"] == []
+    assert summary["workers_died"] == []
+
+
+@needs_server
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "fair"])
+def test_the_shared_and_fair_checks_catch_their_sabotage(tmp_path: Path, mode: str):
+    """Negative controls, 12 s each. Shared: bodies outlive their leases (shielded), so an
+    exclusive holder ends up beside other holders. Fair: a third of the rounds take the
+    lock with a plain ``lease()``, which does not queue: grants out of arrival order."""
+    args = ["--shared", "0.5"] if mode == "shared" else ["--fair", "--locks", "1"]
+    summary, out = _summary(
+        "--seconds", "12", "--seed", "6", "--sabotage", *args, tmp=tmp_path, timeout=90, status=1
+    )
+    if mode == "shared":
+        assert summary["overlap"]["unpaused"]["count"] > 0
+    else:
+        assert summary["fair"]["out_of_order"] > 0
+        assert summary["fair"]["acquisitions"].get("plain", 0) > 0
+        assert summary["overlap"]["unpaused"]["count"] == 0  # the jumpers still exclude
+    failed = [line for line in out.splitlines() if line.startswith("FAILED: replay with")]
+    assert len(failed) == 1, out
+    assert "--sabotage" in failed[0]
+    assert args[0] in failed[0]
