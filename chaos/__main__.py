@@ -131,13 +131,23 @@ def _parser() -> argparse.ArgumentParser:
         "follow arrival among live waiters, and a dead waiter delay the queue within bound",
     )
     parser.add_argument(
+        "--redlock",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the Redlock mode: N independent servers (3 or 5), every lease held on a "
+        "majority; the nemesis pauses, cuts off, kills and restarts (without persistence) "
+        "one server at a time, and stops holders",
+    )
+    parser.add_argument(
         "--soak",
         type=_seconds,
         default=None,
         metavar="MINUTES",
-        help="the soak: rotate every mode (mutex, semaphore, shared, fair, failover; every "
-        "second pass with --detached 0.5) for MINUTES, run i with seed SEED + i, and print "
-        "one table; --workers, --tasks, --ttl, --engine and --keep apply to every run",
+        help="the soak: rotate every mode (mutex, semaphore, shared, fair, failover, "
+        "redlock; every second pass with --detached 0.5) for MINUTES, run i with seed "
+        "SEED + i, and print one table; --workers, --tasks, --ttl, --engine and --keep "
+        "apply to every run",
     )
     parser.add_argument(
         "--print-schedule",
@@ -172,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     min_replicas = 1 if args.min_replicas is None else args.min_replicas
     if not 0 <= min_replicas <= 1:
         parser.error("--min-replicas must be 0 or 1 (the run has one replica)")
+    if args.redlock not in (0, 3, 5):
+        parser.error("--redlock must be 3 or 5 (servers)")
     if not 0.0 <= args.shared <= 1.0:
         parser.error("--shared must be between 0 and 1")
     modes = [
@@ -181,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--fair", args.fair),
             ("--failover", args.failover),
             ("--limit", args.limit > 1),
+            ("--redlock", args.redlock > 0),
         )
         if on
     ]
@@ -221,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failovers=failovers,
         shared=args.shared,
         fair=args.fair,
+        redlock=args.redlock,
     )
     if args.print_schedule:
         print_schedule(config)

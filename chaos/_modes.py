@@ -15,19 +15,19 @@ it) and no fault was in force (no injection overlapped the wait or ended less th
 TTLs before it began): only shared holders stood in its way. That must never happen.
 
 **Fair mode.** A waiter's place in the queue is the server's time of its first attempt,
-which the client does not see: it lies between ``asked_at`` and, by assumption, ``asked_at
-+ ARRIVAL_MARGIN``. A waiter is *live* from then until it sends its granting attempt
-(``lease_from``) or gives up (as seen: ``waited_until - ARRIVAL_MARGIN``, and no later
-than ``asked_at + blocking_timeout``), unless its process was stopped (a ``Pause``). A grant *out of arrival
-order* is a round ``later`` granted (its body began) while a round ``earlier`` of the same
-lock was live and had certainly arrived first (``earlier.asked_at + ARRIVAL_MARGIN <=
-later.asked_at``), with no pause of ``earlier``'s holder and no data loss (which empties
-the queue) between ``earlier``'s ask and ``later``'s grant. A dead waiter (stopped, or
-gone without leaving) keeps its place until ``FAIR_PATIENCE`` has passed since its last
-attempt, and the next one tries at least every ``FAIR_PATIENCE / 2``: so a stretch in which
-the lock was free while a live waiter waited (from the end of one holder's ``async with``
-to the next grant) may last at most :func:`fair_bound` (that plus a TTL, for a key whose
-release did not get through, plus 0.25 s); a longer one is a *slow handover*.
+which the client does not see: it lies between ``asked_at`` and, by assumption, ``asked_at +
+ARRIVAL_MARGIN``. A waiter is *live* from then until it sends its granting attempt
+(``lease_from``) or gives up (as seen: ``waited_until - ARRIVAL_MARGIN``, and no later than
+``asked_at + blocking_timeout``), unless its process was stopped (a ``Pause``). A grant *out
+of arrival order* is a round ``later`` granted (its body began) while a round ``earlier`` of
+the same lock was live and had certainly arrived first (``earlier.asked_at + ARRIVAL_MARGIN
+<= later.asked_at``), with no pause of ``earlier``'s holder and no data loss (which empties
+the queue) between ``earlier``'s ask and ``later``'s grant. A dead waiter (stopped, or gone
+without leaving) keeps its place until ``FAIR_PATIENCE`` has passed since its last attempt,
+and the next one tries at least every ``FAIR_PATIENCE / 2``: so a stretch in which the lock
+was free while a live waiter waited (from the end of one holder's ``async with`` to the next
+grant) may last at most :func:`fair_bound` (that plus a TTL, for a key whose release did not
+get through, plus 0.25 s); a longer one is a *slow handover*.
 """
 
 from __future__ import annotations

@@ -54,6 +54,18 @@ own:
   patience), which the queue must get past within its documented bound. A
   :class:`~asynclock.testing.Pause` is recorded for each of its contenders.
 
+The Redlock mode (``make_schedule(..., kinds=REDLOCK_KINDS)``) runs three independent
+servers, each worker reaching each through a proxy of its own, and hits one server at a
+time (``pick`` chooses which), so that a majority is always healthy:
+
+* ``server_stop``: ``SIGSTOP`` of one server for 1.2-2.5 TTLs (paused);
+* ``server_cut``: every proxy in front of one server drops everything for 1.2-2.5 TTLs
+  (a partition), healed with a reset of those connections;
+* ``server_restart``: ``SIGKILL`` of one server and a restart on the same port without
+  persistence after 0-0.75 TTL: that server loses its keys (a data-loss fault, excused as
+  ``restart`` is);
+* ``holder_stop``, as in the ordinary run.
+
 The failover mode (:func:`make_failover_schedule`) schedules one kind alone, a fixed
 number of times at seeded moments, each one healed (a new replica synced) before the next:
 
@@ -104,6 +116,7 @@ __all__ = [
     "FAIR_KINDS",
     "NETWORK",
     "ORDINARY",
+    "REDLOCK_KINDS",
     "Fault",
     "FaultKind",
     "Injection",
@@ -127,17 +140,27 @@ class FaultKind(enum.StrEnum):
     HOLDER_STOP = "holder_stop"
     FAILOVER = "failover"
     WAITER_STOP = "waiter_stop"
+    SERVER_STOP = "server_stop"
+    SERVER_CUT = "server_cut"
+    SERVER_RESTART = "server_restart"
 
     def __str__(self) -> str:
         return self.value
 
 
-ORDINARY: Final = tuple(
-    kind for kind in FaultKind if kind not in (FaultKind.FAILOVER, FaultKind.WAITER_STOP)
+ORDINARY: Final = (
+    FaultKind.DELAY,
+    FaultKind.BLACKHOLE,
+    FaultKind.RESET,
+    FaultKind.STALL,
+    FaultKind.CLIENT_KILL,
+    FaultKind.FLUSH,
+    FaultKind.RESTART,
+    FaultKind.HOLDER_STOP,
 )
 """The kinds of the ordinary run, in the order its schedule's bag is filled (so adding
-``failover`` and ``waiter_stop``, which only the failover and fair modes schedule, left
-every seed's schedule as it was)."""
+the kinds only the failover, fair and Redlock modes schedule left every seed's schedule
+as it was)."""
 
 FAIR_KINDS: Final = (
     FaultKind.RESET,
@@ -151,11 +174,24 @@ FAIR_KINDS: Final = (
 server (a delay, black hole or stall makes it a dead waiter to the queue), and
 ``waiter_stop``, which makes dead waiters on purpose."""
 
+REDLOCK_KINDS: Final = (
+    FaultKind.SERVER_STOP,
+    FaultKind.SERVER_CUT,
+    FaultKind.SERVER_RESTART,
+    FaultKind.HOLDER_STOP,
+)
+"""The kinds of the Redlock mode: one of its servers at a time, or a holder."""
+
+SERVER_FAULTS: Final = frozenset(
+    {FaultKind.SERVER_STOP, FaultKind.SERVER_CUT, FaultKind.SERVER_RESTART}
+)
+"""Faults of one server of several (the Redlock mode), chosen by ``pick``."""
+
 WAITER_STOP_SECONDS: Final = 1.5 * FAIR_PATIENCE
 """How long ``waiter_stop`` stops a waiter (at least 2.5 TTLs): past the patience, so its
 place is a dead waiter's."""
 
-DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART})
+DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART, FaultKind.SERVER_RESTART})
 """Faults after which the server no longer has the keys it had."""
 
 NETWORK: Final = frozenset({FaultKind.DELAY, FaultKind.BLACKHOLE, FaultKind.RESET})
@@ -225,12 +261,14 @@ class Fault:
             text += f" (refusing new connections for {self.amount:.2f}s)"
         elif self.kind is FaultKind.CLIENT_KILL and self.variant == "some":
             text += f" ({self.amount:.0%} of the connections, pick {self.pick:.3f})"
-        elif self.kind is FaultKind.RESTART:
+        elif self.kind in (FaultKind.RESTART, FaultKind.SERVER_RESTART):
             text += f" (down {self.amount:.2f}s)"
         elif self.kind is FaultKind.FAILOVER:
             text = f"#{self.index} at {self.at:.2f}s {what} on {self.scope}"
             text += f" (SIGKILL {self.amount:.3f}s after a grant, waiting up to "
             text += f"{self.duration - self.amount:.2f}s for one)"
+        if self.kind in SERVER_FAULTS:
+            text += f" (pick {self.pick:.3f}: one server of several)"
         if self.kind in (FaultKind.HOLDER_STOP, FaultKind.WAITER_STOP) or (
             self.scope == "holder" and self.kind is not FaultKind.FAILOVER
         ):
@@ -291,6 +329,10 @@ def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float
         duration = _HOLDER_STOP * ttl
     elif kind is FaultKind.WAITER_STOP:
         duration = max(_HOLDER_STOP * ttl, WAITER_STOP_SECONDS)
+    elif kind in (FaultKind.SERVER_STOP, FaultKind.SERVER_CUT):
+        duration = rng.uniform(1.2, 2.5) * ttl
+    elif kind is FaultKind.SERVER_RESTART:
+        amount = rng.uniform(0.0, 0.75) * ttl
     scope = ""
     if kind in NETWORK:
         scope = "holder" if rng.random() < _HOLDER_SCOPE else "all"
@@ -482,6 +524,10 @@ class Nemesis:
         next_grant: for ``failover``, to wait for a grant before killing the primary.
         waiters: for ``waiter_stop``, the workers of which a contender waits for a lock
             and none holds one now, sorted by name.
+        servers: the Redlock mode's servers, each with the proxies in front of it (one
+            per worker), for the faults of one server (``SERVER_FAULTS``); healed too.
+        majority: a negative control of the Redlock mode: each fault of one server hits
+            a majority of them at once (``pick`` chooses the first, the next ones follow).
 
     Every fault is healed before :meth:`inject` returns, also when it fails or is
     cancelled. :attr:`injections` lists what was done, in order.
@@ -499,8 +545,12 @@ class Nemesis:
         replication: Replication | None = None,
         next_grant: NextGrant | None = None,
         waiters: Holders | None = None,
+        servers: Sequence[tuple[RedisServer, Sequence[FaultProxy]]] = (),
+        majority: bool = False,
     ) -> None:
+        self._majority = majority
         self._first_server = server
+        self._servers = tuple((srv, tuple(front)) for srv, front in servers)
         self._replication = replication
         self._next_grant = next_grant
         self._proxies = tuple(proxies)
@@ -579,6 +629,8 @@ class Nemesis:
             await self._holder_stop(fault, injection)
         elif kind is FaultKind.WAITER_STOP:
             await self._waiter_stop(fault, injection)
+        elif kind in SERVER_FAULTS:
+            await self._one_server(fault, injection)
         elif kind is FaultKind.FAILOVER:
             await self._failover(fault, injection)
         else:  # pragma: no cover - every kind is handled above
@@ -683,6 +735,33 @@ class Nemesis:
             return
         await self._stop_for(target, fault.duration, injection)
 
+    async def _one_server(self, fault: Fault, injection: Injection) -> None:
+        if not self._servers:
+            raise RuntimeError(f"{fault.kind} needs several servers (the Redlock mode)")
+        count = len(self._servers)
+        index = min(int(fault.pick * count), count - 1)
+        hit = [(index + k) % count for k in range(count // 2 + 1 if self._majority else 1)]
+        injection.target = ", ".join(f"server-{k}" for k in hit)
+        await asyncio.gather(*(self._server_fault(fault, *self._servers[k]) for k in hit))
+
+    async def _server_fault(
+        self, fault: Fault, server: RedisServer, front: Sequence[FaultProxy]
+    ) -> None:
+        if fault.kind is FaultKind.SERVER_STOP:
+            server.pause()
+            try:
+                await asyncio.sleep(fault.duration)
+            finally:
+                server.resume()
+        elif fault.kind is FaultKind.SERVER_CUT:
+            await self._blackhole(dataclasses.replace(fault, variant="both"), front)
+        else:
+            await asyncio.to_thread(server.kill)
+            try:
+                await asyncio.sleep(fault.amount)
+            finally:
+                await asyncio.to_thread(server.restart)
+
     async def _waiter_stop(self, fault: Fault, injection: Injection) -> None:
         if self._waiters is None:
             raise RuntimeError("waiter_stop needs to know who waits (the fair mode)")
@@ -777,6 +856,13 @@ class Nemesis:
             proxy.refuse_new = False
         for pid in list(self._stopped_pids):
             self._continue(pid)
+        for server, front in self._servers:
+            for proxy in front:
+                proxy.set_mode(ProxyMode.PASS)
+            if server.is_paused:
+                server.resume()
+            if not server.is_running:
+                await asyncio.to_thread(server.start)
         if self._replication is not None:
             self._replication.link.set_mode(ProxyMode.PASS)
             if not self._replication.primary.is_running:  # a failover cut short

@@ -52,6 +52,7 @@ from asynclock.testing import (
 
 from ._nemesis import (
     FAIR_KINDS,
+    REDLOCK_KINDS,
     Fault,
     Nemesis,
     Target,
@@ -89,7 +90,9 @@ class ChaosConfig:
         engine: ``"redis"``, ``"valkey"`` or None for the first one installed.
         keep: keep the work directory (history, fenced store) even when the run passes.
         sabotage: a negative control: the workers' bodies ignore the loss of their lease
-            (shielded from its cancellation, no ``is_held()``), so the checks must fail.
+            (shielded from its cancellation, no ``is_held()``), so the checks must fail;
+            in the Redlock mode each fault of a server also hits a majority of them, and
+            in the fair mode, instead, a third of the rounds jump the queue.
         detached: the share of rounds (0 to 1) that hold their lease with ``acquire()``,
             do their work inside ``lease.guard()`` and give it back with ``release()``,
             instead of ``async with lease(...)``.
@@ -109,6 +112,9 @@ class ChaosConfig:
         fair: the fair mode: every lease is ``fair=True``, the nemesis draws from
             ``FAIR_KINDS`` (with ``waiter_stop``), and grants must follow the waiters'
             arrival, a dead waiter delaying the queue no longer than its bound.
+        redlock: the Redlock mode, above 0: that many independent servers (3 or 5), each
+            lease held on a majority of them (``lease([r1, r2, r3], name)``); the nemesis
+            draws from ``REDLOCK_KINDS``, hitting one server at a time.
     """
 
     seed: int
@@ -127,6 +133,7 @@ class ChaosConfig:
     failovers: int = FAILOVERS
     shared: float = 0.0
     fair: bool = False
+    redlock: int = 0
 
     def schedule(self) -> tuple[Fault, ...]:
         """The faults this run's seed schedules (failovers alone in the failover mode,
@@ -135,13 +142,17 @@ class ChaosConfig:
             return make_failover_schedule(self.seed, self.seconds, self.ttl, self.failovers)
         if self.fair:
             return make_schedule(self.seed, self.seconds, self.ttl, FAIR_KINDS)
+        if self.redlock:
+            return make_schedule(self.seed, self.seconds, self.ttl, REDLOCK_KINDS)
         return make_schedule(self.seed, self.seconds, self.ttl)
 
     @property
     def mode(self) -> str:
-        """``failover``, ``shared``, ``fair``, ``semaphore`` or ``mutex``."""
+        """``failover``, ``shared``, ``fair``, ``redlock``, ``semaphore`` or ``mutex``."""
         if self.failover:
             return "failover"
+        if self.redlock:
+            return "redlock"
         if self.shared:
             return "shared"
         if self.fair:
@@ -189,6 +200,8 @@ class ChaosConfig:
             parts.append(f"--shared {self.shared!r}")
         if self.fair:
             parts.append("--fair")
+        if self.redlock:
+            parts.append(f"--redlock {self.redlock}")
         return " ".join(parts)
 
 
@@ -227,9 +240,12 @@ class _Run:
         workdir: Path,
         log: TextIO,
         replication: Replication | None = None,
+        servers: Sequence[tuple[RedisServer, Sequence[FaultProxy]]] = (),
     ) -> None:
         self.config = config
         self.server = server
+        self.servers = tuple(servers)
+        """The Redlock mode's servers, each with its proxies (one per worker)."""
         self.replication = replication
         self._grant_waiters: list[asyncio.Future[tuple[str, str]]] = []
         self.proxies = tuple(proxies)
@@ -294,6 +310,7 @@ class _Run:
             min_replicas=config.min_replicas,
             shared=config.shared,
             fair=config.fair,
+            redlock=tuple(front[index].url for _, front in self.servers),
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -443,6 +460,8 @@ class _Run:
                     replication=self.replication,
                     next_grant=self.next_grant,
                     waiters=self.waiters if config.fair else None,
+                    servers=self.servers,
+                    majority=config.sabotage and bool(config.redlock),
                 )
                 t0 = time.monotonic()
                 until = t0 + config.seconds
@@ -499,6 +518,7 @@ class _Run:
                 ),
                 shared=config.shared,
                 fair=config.fair,
+                redlock=config.redlock,
             )
         finally:
             store.close()
@@ -516,11 +536,16 @@ class _Run:
 
     async def _keys_left(self) -> list[str]:
         server = self.replication.primary if self.replication is not None else self.server
-        client = Redis.from_url(server.url, socket_timeout=5.0, socket_connect_timeout=5.0)
-        try:
-            return await keys_left(client)
-        finally:
-            await client.aclose()
+        servers = [s for s, _ in self.servers] or [server]
+        found = []
+        for index, one in enumerate(servers):
+            client = Redis.from_url(one.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+            try:
+                keys = await keys_left(client)
+            finally:
+                await client.aclose()
+            found += [f"server-{index}:{key}" if self.servers else key for key in keys]
+        return found
 
 
 async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Summary, Path]:
@@ -540,18 +565,33 @@ async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Sum
     try:
         async with contextlib.AsyncExitStack() as stack:
             replication: Replication | None = None
+            fronts: list[tuple[RedisServer, Sequence[FaultProxy]]] = []
             if config.failover:  # a primary and a replica, synced before any worker runs
                 replication = await stack.enter_async_context(Replication(config.engine))
                 server = replication.primary
+            elif config.redlock:  # independent servers, a proxy per worker in front of each
+                for _ in range(config.redlock):
+                    one = RedisServer(config.engine)
+                    stack.push_async_callback(asyncio.to_thread, one.stop)
+                    await asyncio.to_thread(one.start)
+                    front = [
+                        await stack.enter_async_context(FaultProxy(one.host, one.port))
+                        for _ in range(config.workers)
+                    ]
+                    fronts.append((one, front))
+                server = fronts[0][0]
             else:
                 server = RedisServer(config.engine)
                 stack.push_async_callback(asyncio.to_thread, server.stop)
                 await asyncio.to_thread(server.start)
-            proxies = [
-                await stack.enter_async_context(FaultProxy(server.host, server.port))
-                for _ in range(config.workers)
-            ]
-            record = await _Run(config, server, proxies, workdir, log, replication).run()
+            if fronts:
+                proxies = list(fronts[0][1])
+            else:
+                proxies = [
+                    await stack.enter_async_context(FaultProxy(server.host, server.port))
+                    for _ in range(config.workers)
+                ]
+            record = await _Run(config, server, proxies, workdir, log, replication, fronts).run()
         summary = summarize(record)
         passed = summary.ok
         return summary, workdir
@@ -591,6 +631,8 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
         mode = f", shared mode ({config.shared:.0%} of rounds shared)"
     elif config.fair:
         mode = ", fair mode"
+    elif config.redlock:
+        mode = f", Redlock mode over {config.redlock} servers"
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "

@@ -79,7 +79,7 @@ from ._modes import (
     out_of_order,
     starved_writers,
 )
-from ._nemesis import FAIR_KINDS, ORDINARY, Fault, FaultKind, Injection
+from ._nemesis import FAIR_KINDS, ORDINARY, REDLOCK_KINDS, Fault, FaultKind, Injection
 
 __all__ = [
     "DataLoss",
@@ -97,6 +97,7 @@ __all__ = [
 
 _SLACK: Final = 0.002  # seconds of tolerance when comparing a token's time with a window
 _SHOWN: Final = 5  # violations of each kind printed in full
+_REDLOCK_SLACK: Final = 0.05  # seconds: an overlap after one server's data loss, past a TTL
 _EPSILON: Final = 1e-6  # seconds: rounding of a lease's start recovered from its deadline
 
 
@@ -235,6 +236,8 @@ class RunRecord:
     """The shared mode, above 0: the share of rounds that held a shared lease."""
     fair: bool = False
     """The fair mode: every lease was ``fair=True``."""
+    redlock: int = 0
+    """The Redlock mode: that many independent servers, each lease held on a majority."""
 
     @property
     def mode(self) -> str:
@@ -243,6 +246,8 @@ class RunRecord:
             return "failover"
         if self.shared:
             return "shared"
+        if self.redlock:
+            return "redlock"
         return "fair" if self.fair else "faults"
 
 
@@ -642,6 +647,17 @@ def summarize(record: RunRecord) -> Summary:
             f"min_replicas={record.min_replicas}"
         )
         details.extend(str(o) for o in classes.across_failover[:_SHOWN])
+    long: list[Overlap] = []
+    if record.redlock:
+        # One server's data loss leaves a lease held on the others; one held on a bare
+        # majority with that server is lost by its first renewal there, or at the latest
+        # by its deadline on that server, a TTL after the keys went: no longer.
+        long = [o for o in classes.after_data_loss if o.seconds > ttl + _REDLOCK_SLACK]
+        if long:
+            failures.append(
+                f"{len(long)} overlap(s) after one server's data loss longer than a TTL"
+            )
+            details.extend(str(o) for o in long[:_SHOWN])
     by_holder = _pauses_by_holder(record.pauses)
     steady = [i for i in record.intervals if pause_of(i, by_holder, ttl) is None]
     fencing: list[FencingViolation] = check_fencing(steady)
@@ -721,6 +737,7 @@ def summarize(record: RunRecord) -> Summary:
         "min_replicas": record.min_replicas,
         "most_holders_at_once": at_once,
         "most_shared_holders_at_once": shared_at_once,
+        "redlock_long_overlaps": len(long),
         **modes,
         "ttl": ttl,
         "engine": record.engine,
@@ -882,7 +899,7 @@ def _render(
 ) -> list[str]:
     faults = data["faults"]
     kinds = []
-    shown = FAIR_KINDS if record.fair else ORDINARY
+    shown = FAIR_KINDS if record.fair else REDLOCK_KINDS if record.redlock else ORDINARY
     for kind in (FaultKind.FAILOVER,) if record.failover else shown:
         count = by_kind.get(str(kind), 0)
         variants = [
@@ -920,6 +937,8 @@ def _render(
         mode = f", shared mode ({record.shared:.0%} of rounds shared)"
     elif record.fair:
         mode = ", fair mode"
+    elif record.redlock:
+        mode = f", Redlock mode over {record.redlock} servers"
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "

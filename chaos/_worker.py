@@ -108,9 +108,13 @@ def slot_name(lock: str, permit: int) -> str:
     return f"{lock}#{permit}"
 
 
-def _slot_of(lease: asynclock.Lease, limit: int) -> str:
+Held = asynclock.Lease | asynclock.RedlockLease
+"""A lease of one server, or (the Redlock mode) of a majority of several."""
+
+
+def _slot_of(lease: Held, limit: int) -> str:
     """The slot a lease holds: its lock's name, or, for a permit, :func:`slot_name`."""
-    if limit == 1:
+    if limit == 1 or not isinstance(lease, asynclock.Lease):
         return lease.name
     head, _, index = lease.key.rpartition(":permit:")
     if not head or not index.isdigit() or not 0 <= int(index) < limit:
@@ -158,6 +162,9 @@ class WorkerConfig:
     """The shared mode, above 0: the share of rounds holding ``lease(..., shared=True)``
     (drawn from a random stream of its own); such a round's body only reads (a fenced
     claim, then a read of the counter) and its interval is recorded as shared."""
+    redlock: tuple[str, ...] = ()
+    """The Redlock mode: the URLs of the independent servers (through this worker's
+    proxies); each lease is ``lease([client, ...], name)`` over one client per URL."""
     fair: bool = False
     """The fair mode: every round takes ``lease(..., fair=True)``, waiting up to 12 TTLs
     (a quarter of them give up after 0.5-2 TTLs: waiters that leave); with ``sabotage``,
@@ -170,7 +177,17 @@ class WorkerConfig:
     def from_json(cls, text: str) -> WorkerConfig:
         data = json.loads(text)
         data["locks"] = tuple(data["locks"])
+        data["redlock"] = tuple(data.get("redlock", ()))
         return cls(**data)
+
+
+def _client(url: str, ttl: float) -> Redis:
+    return Redis.from_url(
+        url,
+        socket_timeout=max(1.0, 2 * ttl),
+        socket_connect_timeout=1.0,
+        retry=Retry(ExponentialBackoff(cap=0.25, base=0.02), 2),
+    )
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -261,12 +278,9 @@ class _Worker:
         self.report = _Reporter()
         self.stats: Counter[str] = Counter()
         self.warnings: Counter[str] = Counter()
-        self.client = Redis.from_url(
-            config.url,
-            socket_timeout=max(1.0, 2 * config.ttl),
-            socket_connect_timeout=1.0,
-            retry=Retry(ExponentialBackoff(cap=0.25, base=0.02), 2),
-        )
+        self.client = _client(config.url, config.ttl)
+        self.servers = [_client(url, config.ttl) for url in config.redlock]
+        """The Redlock mode's clients, one per server (else empty)."""
         self.history = History(config.history)
         self.store = FencedStore(config.store, busy_timeout=10.0)
         self.contenders = [_Contender(self, task) for task in range(max(1, config.tasks))]
@@ -287,6 +301,8 @@ class _Worker:
             watcher.cancel()
             await asyncio.wait({watcher})
             await self.client.aclose()
+            for client in self.servers:
+                await client.aclose()
             self.store.close()
             self.history.close()
             stats = {**self.stats, "warnings": dict(self.warnings)}
@@ -364,7 +380,7 @@ class _Contender:
         verify = self.rng.random() < _VERIFY
         state = _Round(lock_name)
         stats["rounds"] += 1
-        lock: asynclock.Lease | None = None
+        lock: Held | None = None
         guard: Guard | None = None
         hold = _held_detached if self.forms.random() < config.detached else asynclock.lease
         if hold is _held_detached:
@@ -376,9 +392,10 @@ class _Contender:
         kind.update(kind_options)
         state.asked_at = time.monotonic()
         worker.report("asking", lock=lock_name, holder=self.holder)
+        target: Any = worker.servers if worker.servers else worker.client
         try:
             async with hold(
-                worker.client,
+                target,
                 lock_name,
                 **kind,
                 ttl=config.ttl,
@@ -402,7 +419,7 @@ class _Contender:
                         state.lock,
                         self.holder,
                         lock.fencing_token,
-                        lock,
+                        lock if isinstance(lock, asynclock.Lease) else None,
                         shared=shared,
                     )
                     with guard:
@@ -464,18 +481,18 @@ class _Contender:
         return "exclusive", {}, 3 * config.ttl
 
     async def _body(
-        self, lock: asynclock.Lease, state: _Round, steps: int, verify: bool, shared: bool
+        self, lock: Held, state: _Round, steps: int, verify: bool, shared: bool
     ) -> None:
         if self.config.sabotage and not self.config.fair:
             with anyio.CancelScope(shield=True):
                 await self._steps(lock, state, steps, check=False, shared=shared)
             return
         await self._steps(lock, state, steps, check=True, shared=shared)
-        if verify and not await lock.is_held(verify=True):
+        if verify and not await _verified(lock):
             self.worker.stats["verify_false"] += 1
 
     async def _steps(
-        self, lock: asynclock.Lease, state: _Round, steps: int, check: bool, shared: bool
+        self, lock: Held, state: _Round, steps: int, check: bool, shared: bool
     ) -> None:
         ttl = self.config.ttl
         for _ in range(steps):
@@ -492,7 +509,7 @@ class _Contender:
             slow = 1.0 if check else _SABOTAGE_SLOWER
             await asyncio.sleep(self.rng.uniform(*_STEP_SLEEP) * ttl * slow)
 
-    async def _read(self, lock: asynclock.Lease) -> bool:
+    async def _read(self, lock: Held) -> bool:
         """A shared holder's fenced read: claim with its token (so that an older writer's
         later write is refused), then read; False if a newer token had claimed."""
         store, token = self.worker.store, lock.fencing_token
@@ -507,7 +524,7 @@ class _Contender:
 
         return await anyio.to_thread.run_sync(claim_and_read, abandon_on_cancel=True)
 
-    async def _increment(self, lock: asynclock.Lease) -> bool:
+    async def _increment(self, lock: Held) -> bool:
         """``FencedStore.increment(key, fencing_token=...)``, with each SQLite call in a
         thread (see the module's design note): claim, read, pause, write."""
         store, token = self.worker.store, lock.fencing_token
@@ -528,6 +545,14 @@ class _Contender:
             return store.write(key, value + 1, token, holder=holder)
 
         return await anyio.to_thread.run_sync(write, abandon_on_cancel=True)
+
+
+async def _verified(lock: Held) -> bool:
+    """``is_held(verify=True)``: asked of Redis (a Redlock lease answers from its
+    majority's deadlines, which is all it has)."""
+    if isinstance(lock, asynclock.Lease):
+        return await lock.is_held(verify=True)
+    return await lock.is_held()
 
 
 async def _wait_for_eof(stop: asyncio.Event) -> None:
@@ -554,9 +579,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _held_detached(
-    client: Redis, name: str, **options: Any
-) -> AsyncIterator[asynclock.Lease]:
+async def _held_detached(client: Redis, name: str, **options: Any) -> AsyncIterator[Held]:
     """``async with lease(...)`` rebuilt from the detached form: ``acquire()``, the work
     inside ``guard()``, then ``release()`` (which, with the guard's ``LockLost`` in flight,
     lets it through)."""

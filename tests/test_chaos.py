@@ -41,7 +41,14 @@ from chaos._modes import (
     out_of_order,
     starved_writers,
 )
-from chaos._nemesis import FAIR_KINDS, ORDINARY, Fault, Injection, make_failover_schedule
+from chaos._nemesis import (
+    FAIR_KINDS,
+    ORDINARY,
+    REDLOCK_KINDS,
+    Fault,
+    Injection,
+    make_failover_schedule,
+)
 from chaos._replication import Replication
 from chaos._run import ChaosConfig
 from chaos._soak import plan, soak
@@ -896,6 +903,8 @@ def test_the_fair_mode_schedules_its_own_faults_and_the_others_none_of_them():
         ["--soak", "1", "--fair"],
         ["--soak", "1", "--sabotage"],
         ["--soak", "0"],
+        ["--redlock", "2"],
+        ["--redlock", "3", "--fair"],
     ],
 )
 def test_bad_arguments_of_the_new_modes_are_refused(
@@ -912,13 +921,19 @@ def test_replay_names_the_shared_and_fair_modes():
     assert ChaosConfig(seed=1, fair=True, locks=1).replay().endswith("--locks 1 --fair")
     assert ChaosConfig(seed=1).mode == "mutex"
     assert ChaosConfig(seed=1, shared=0.5).mode == "shared"
+    assert ChaosConfig(seed=1, redlock=3).replay().endswith("--redlock 3")
+    assert ChaosConfig(seed=1, redlock=3).mode == "redlock"
+    assert {f.kind for f in ChaosConfig(seed=SEED, redlock=3, seconds=60).schedule()} == set(
+        REDLOCK_KINDS
+    )
 
 
 def test_the_soak_rotates_every_mode_and_adds_up_one_table():
-    runs = plan(100, 3.0)
+    runs = plan(100, 4.0)
     assert [c.seed for c in runs] == list(range(100, 100 + len(runs)))
-    assert [c.mode for c in runs[:5]] == ["mutex", "semaphore", "shared", "fair", "failover"]
-    assert sum(c.seconds + 3.0 for c in runs) <= 3.0 * 60 + 1e-6
+    modes = ["mutex", "semaphore", "shared", "fair", "failover", "redlock"]
+    assert [c.mode for c in runs[:6]] == modes
+    assert sum(c.seconds + 3.0 for c in runs) <= 4.0 * 60 + 1e-6
     assert all(15 <= c.seconds <= 60 for c in runs)
     assert {c.detached for c in plan(100, 20.0)} == {0.0, 0.5}  # both lease forms
 
@@ -940,21 +955,23 @@ def test_the_soak_rotates_every_mode_and_adds_up_one_table():
     assert soak(100, 1.5, runner=fake, out=out) == 1
     text = out.getvalue()
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
-    assert set(rows) == {"mode", "mutex", "semaphore", "shared", "fair", "failover"}
-    assert "| mutex | 1 (0) | 18 | 3: flush 2, reset 1 | 10 | 1: deadline 1 |" in rows["mutex"]
+    assert set(rows) == {"mode", *modes}
+    assert "| mutex | 1 (0) | 15 | 3: flush 2, reset 1 | 10 | 1: deadline 1 |" in rows["mutex"]
     assert rows["fair"].endswith("| 3 |")  # the mode's own must-be-0 column
-    assert rows["failover"].startswith("| failover | 0 (0) |")  # 1.5 min: 4 runs only
-    assert "python -m chaos --seed 103 --workers 4 --seconds 18 --locks 1 --fair" in text
+    assert rows["failover"].startswith("| failover | 1 (1) |")  # could not be carried out
+    assert rows["redlock"].startswith("| redlock | 0 (0) |")  # 1.5 min: 5 runs only
+    assert "python -m chaos --seed 103 --workers 4 --seconds 15 --locks 1 --fair" in text
+    assert "--failover --min-replicas 1  # could not be carried out: no server" in text
     assert "OK: every run" not in text
 
 
 @needs_server
 def test_chaos_run_of_shared_leases(tmp_path: Path):
-    """The shared mode: half the rounds hold a shared lease, 12 s of faults of every kind.
+    """The shared mode: half the rounds hold a shared lease, 10 s of faults of every kind.
     No exclusive holder beside any other, shared holders together, no exclusive waiter
     starved by shared holders alone, and every check of the ordinary run."""
     summary, out = _summary(
-        "--seconds", "12", "--seed", str(SEED), "--shared", "0.5", tmp=tmp_path, timeout=90
+        "--seconds", "10", "--seed", str(SEED), "--shared", "0.5", tmp=tmp_path, timeout=90
     )
     assert summary["ok"], out
     assert summary["mode"] == "shared"
@@ -975,12 +992,12 @@ def test_chaos_run_of_shared_leases(tmp_path: Path):
 @needs_server
 def test_chaos_run_of_fair_locks(tmp_path: Path):
     """The fair mode: eight contenders queue for one fair lock, a quarter of them giving
-    up early, while the nemesis stops a waiter past the queue's patience, stops a holder,
-    resets connections, flushes and restarts the server (seed 20240603, 12 s). Grants
-    follow arrival among live waiters, and the lock is never left free for longer than
-    the bound while a live waiter waits."""
+    up early, while the nemesis flushes and restarts the server, resets connections and
+    stops a waiter past the queue's patience (seed 20240603, 10 s). Grants follow arrival
+    among live waiters, and the lock is never left free for longer than the bound while
+    a live waiter waits."""
     summary, out = _summary(
-        "--seconds", "12", "--seed", str(SEED), "--fair", "--locks", "1", tmp=tmp_path, timeout=90
+        "--seconds", "10", "--seed", str(SEED), "--fair", "--locks", "1", tmp=tmp_path, timeout=90
     )
     assert summary["ok"], out
     assert summary["mode"] == "fair"
@@ -997,22 +1014,46 @@ def test_chaos_run_of_fair_locks(tmp_path: Path):
 
 
 @needs_server
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["shared", "fair"])
-def test_the_shared_and_fair_checks_catch_their_sabotage(tmp_path: Path, mode: str):
-    """Negative controls, 12 s each. Shared: bodies outlive their leases (shielded), so an
-    exclusive holder ends up beside other holders. Fair: a third of the rounds take the
-    lock with a plain ``lease()``, which does not queue: grants out of arrival order."""
-    args = ["--shared", "0.5"] if mode == "shared" else ["--fair", "--locks", "1"]
+def test_chaos_run_of_redlock(tmp_path: Path):
+    """The Redlock mode: three independent servers, each lease held on a majority, while
+    one server at a time is restarted without persistence, cut off and paused (seed
+    20240603, 10 s): no overlap while a majority is healthy, every check passes."""
     summary, out = _summary(
-        "--seconds", "12", "--seed", "6", "--sabotage", *args, tmp=tmp_path, timeout=90, status=1
+        "--seconds", "10", "--seed", str(SEED), "--redlock", "3", tmp=tmp_path, timeout=90
     )
-    if mode == "shared":
-        assert summary["overlap"]["unpaused"]["count"] > 0
-    else:
+    assert summary["ok"], out
+    assert summary["mode"] == "redlock"
+    kinds = summary["faults"]["by_kind"]
+    assert {"server_restart", "server_cut", "server_stop"} <= set(kinds), kinds
+    assert summary["acquisitions"]["total"] >= 20
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["fenced_writes"]["stale_accepted"] == 0
+    assert summary["counter_mismatches"] == 0
+    assert summary["keys_left"] == []
+    assert summary["workers_died"] == []
+    assert "Redlock mode over 3 servers" in out
+
+
+@needs_server
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fair", "redlock"])
+def test_the_fair_and_redlock_checks_catch_their_sabotage(tmp_path: Path, mode: str):
+    """Negative controls, 10 s each (seed 6). Fair: a third of the rounds take the lock
+    with a plain ``lease()``, which does not queue: grants out of arrival order. Redlock:
+    each fault of a server hits a majority of them, and bodies outlive their leases:
+    holders overlap. (The shared mode's is the ordinary ``--sabotage``: see
+    docs/chaos.md.)"""
+    args = ["--fair", "--locks", "1"] if mode == "fair" else ["--redlock", "3"]
+    summary, out = _summary(
+        "--seconds", "10", "--seed", "6", "--sabotage", *args, tmp=tmp_path, timeout=90, status=1
+    )
+    if mode == "fair":
         assert summary["fair"]["out_of_order"] > 0
         assert summary["fair"]["acquisitions"].get("plain", 0) > 0
         assert summary["overlap"]["unpaused"]["count"] == 0  # the jumpers still exclude
+    else:
+        assert summary["overlap"]["unpaused"]["count"] > 0
+        assert summary["fenced_writes"]["stale_accepted"] == 0  # fencing still holds
     failed = [line for line in out.splitlines() if line.startswith("FAILED: replay with")]
     assert len(failed) == 1, out
     assert "--sabotage" in failed[0]
