@@ -140,12 +140,18 @@ def _parser() -> argparse.ArgumentParser:
         "one server at a time, and stops holders",
     )
     parser.add_argument(
+        "--jobs",
+        action="store_true",
+        help="the jobs mode: every round calls once() for a job key of the moment; the "
+        "callers of a key must all get one result (stored once), its runs never overlap",
+    )
+    parser.add_argument(
         "--soak",
         type=_seconds,
         default=None,
         metavar="MINUTES",
         help="the soak: rotate every mode (mutex, semaphore, shared, fair, failover, "
-        "redlock; every second pass with --detached 0.5) for MINUTES, run i with seed "
+        "redlock, jobs; every second pass with --detached 0.5) for MINUTES, run i with seed "
         "SEED + i, and print one table; --workers, --tasks, --ttl, --engine and --keep "
         "apply to every run",
     )
@@ -194,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--failover", args.failover),
             ("--limit", args.limit > 1),
             ("--redlock", args.redlock > 0),
+            ("--jobs", args.jobs),
         )
         if on
     ]
@@ -235,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shared=args.shared,
         fair=args.fair,
         redlock=args.redlock,
+        jobs=args.jobs,
     )
     if args.print_schedule:
         print_schedule(config)

@@ -28,6 +28,13 @@ and the next one tries at least every ``FAIR_PATIENCE / 2``: so a stretch in whi
 was free while a live waiter waited (from the end of one holder's ``async with`` to the next
 grant) may last at most :func:`fair_bound` (that plus a TTL, for a key whose release did not
 get through, plus 0.25 s); a longer one is a *slow handover*.
+
+**Jobs mode.** Callers of ``once()`` for one key must all get one result: each job returns
+a value of its own (``holder#run``), so two values returned for one key mean the result
+was stored twice, unless a data loss (``FLUSHALL``, restart) came between the first value
+being stored (by the end of its job) and the second being returned: a lost result is
+forgotten by design, and what ran again after one is counted apart. Two runs of one key's
+job at once (their guarded intervals, recorded under the key) are overlaps like any.
 """
 
 from __future__ import annotations
@@ -45,12 +52,14 @@ from ._nemesis import Injection
 
 __all__ = [
     "ARRIVAL_MARGIN",
+    "JobConflict",
     "OutOfOrder",
     "RoundLike",
     "SlowHandover",
     "exclusive_waits",
     "fair_bound",
     "free_while_waiting",
+    "job_results",
     "out_of_order",
     "starved_writers",
 ]
@@ -92,6 +101,10 @@ class RoundLike(Protocol):
     def lease_from(self) -> float | None: ...
     @property
     def exit_end(self) -> float | None: ...
+    @property
+    def result(self) -> str | None: ...
+    @property
+    def ran(self) -> str | None: ...
 
 
 def _paused(holder: str, start: float, end: float, pauses: Mapping[str, Sequence[Pause]]) -> bool:
@@ -293,3 +306,54 @@ def _waited_through(
         ):
             return report.who
     return None
+
+
+# --------------------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobConflict:
+    """``second`` got another result for ``key`` than ``first`` did."""
+
+    key: str
+    first: RoundLike
+    second: RoundLike
+    after_data_loss: bool
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.key!r}: {self.first.who} got {self.first.result!r} at "
+            f"t={self.first.waited_until:.6f}, {self.second.who} got {self.second.result!r} "
+            f"at t={self.second.waited_until:.6f}"
+        )
+
+
+def job_results(
+    rounds: Sequence[RoundLike], data_losses: Sequence[tuple[float, float]]
+) -> list[JobConflict]:
+    """Every change of the result returned for a key, in the order the results were
+    returned (see the module documentation), marked ``after_data_loss`` where a data loss
+    began before the later result was returned and ended after the job of the earlier
+    one had ended (so after its result could have been stored)."""
+    ended = {r.ran: r.body_end for r in rounds if r.ran is not None and r.body_end is not None}
+    by_key: dict[str, list[RoundLike]] = defaultdict(list)
+    for report in rounds:
+        if report.result is not None and report.waited_until is not None:
+            by_key[report.lock].append(report)
+    found = []
+    for key, group in sorted(by_key.items()):
+        group.sort(key=lambda r: r.waited_until or 0.0)
+        current = group[0]
+        for report in group[1:]:
+            if report.result == current.result:
+                continue
+            assert report.waited_until is not None
+            stored_after = ended.get(current.result or "", current.waited_until or 0.0)
+            after_loss = any(
+                start < report.waited_until and end > stored_after for start, end in data_losses
+            )
+            found.append(JobConflict(key, current, report, after_loss))
+            current = report
+    return found

@@ -115,6 +115,8 @@ class ChaosConfig:
         redlock: the Redlock mode, above 0: that many independent servers (3 or 5), each
             lease held on a majority of them (``lease([r1, r2, r3], name)``); the nemesis
             draws from ``REDLOCK_KINDS``, hitting one server at a time.
+        jobs: the jobs mode: every round calls ``once()`` for a job key of the moment;
+            callers of a key must all get one result (``chaos._modes``).
     """
 
     seed: int
@@ -134,6 +136,7 @@ class ChaosConfig:
     shared: float = 0.0
     fair: bool = False
     redlock: int = 0
+    jobs: bool = False
 
     def schedule(self) -> tuple[Fault, ...]:
         """The faults this run's seed schedules (failovers alone in the failover mode,
@@ -148,11 +151,14 @@ class ChaosConfig:
 
     @property
     def mode(self) -> str:
-        """``failover``, ``shared``, ``fair``, ``redlock``, ``semaphore`` or ``mutex``."""
+        """``failover``, ``shared``, ``fair``, ``redlock``, ``jobs``, ``semaphore`` or
+        ``mutex``."""
         if self.failover:
             return "failover"
         if self.redlock:
             return "redlock"
+        if self.jobs:
+            return "jobs"
         if self.shared:
             return "shared"
         if self.fair:
@@ -202,6 +208,8 @@ class ChaosConfig:
             parts.append("--fair")
         if self.redlock:
             parts.append(f"--redlock {self.redlock}")
+        if self.jobs:
+            parts.append("--jobs")
         return " ".join(parts)
 
 
@@ -311,6 +319,7 @@ class _Run:
             shared=config.shared,
             fair=config.fair,
             redlock=tuple(front[index].url for _, front in self.servers),
+            jobs=config.jobs,
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -519,6 +528,7 @@ class _Run:
                 shared=config.shared,
                 fair=config.fair,
                 redlock=config.redlock,
+                jobs=config.jobs,
             )
         finally:
             store.close()
@@ -633,6 +643,8 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
         mode = ", fair mode"
     elif config.redlock:
         mode = f", Redlock mode over {config.redlock} servers"
+    elif config.jobs:
+        mode = ", jobs mode (once())"
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "

@@ -3,10 +3,10 @@
 Each run is an ordinary chaos run (:func:`~chaos._run.run_chaos`) of one mode, in turn:
 the mutex, the semaphore (2 locks of 2 permits), the shared mode (half the rounds shared),
 the fair mode (one lock), the failover mode (``min_replicas=1``), the Redlock mode (three
-servers); every second pass holds
+servers), the jobs mode (``once()``); every second pass holds
 half its rounds with ``acquire()``, ``guard()`` and ``release()`` instead of ``async with``
 (``--detached 0.5``), so both lease forms are soaked. Run ``i`` has seed ``seed + i``; a
-run lasts ``MINUTES / 6`` clamped to 15-60 s, and no run starts that would end past the
+run lasts ``MINUTES / 7`` clamped to 15-60 s, and no run starts that would end past the
 time given (the last one is shortened, down to 15 s). One table is printed at the end: per
 mode, runs, faults by kind, acquisitions, losses and every must-be-0 figure summed, then
 the replay command of every run that failed (whose work directory is kept).
@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import signal
 import sys
 import time
@@ -43,6 +44,7 @@ MODES: Final[tuple[tuple[str, Mapping[str, Any]], ...]] = (
     ("fair", {"fair": True, "locks": 1}),
     ("failover", {"failover": True, "min_replicas": 1}),
     ("redlock", {"redlock": 3}),
+    ("jobs", {"jobs": True}),
 )
 """The modes a soak rotates, in order, with the options each run of them gets."""
 
@@ -72,7 +74,7 @@ def plan(seed: int, minutes: float, base: ChaosConfig | None = None) -> list[Cha
             dataclasses.replace(
                 base,
                 seed=seed + index,
-                seconds=round(seconds, 1),
+                seconds=math.floor(seconds * 10) / 10,
                 detached=detached,
                 **options,
             )
@@ -93,7 +95,7 @@ _MUST_BE_0: Final = (
         "own",
         "the mode's own: double grants (failover), starved writers (shared), grants out "
         "of order and slow handovers (fair), overlaps after one server's data loss longer "
-        "than a TTL (redlock)",
+        "than a TTL (redlock), job results stored twice (jobs)",
     ),
 )
 
@@ -139,6 +141,7 @@ def _must_be_0(data: Mapping[str, Any]) -> dict[str, int]:
     own += int(fair.get("out_of_order", 0))
     own += int(fair.get("free_while_waiting", {}).get("over_bound", 0))
     own += int(data.get("redlock_long_overlaps", 0))
+    own += int(data.get("jobs", {}).get("stored_twice", 0))
     return {
         "overlap": int(data.get("overlap", {}).get("unpaused", {}).get("count", 0)),
         "stale": int(data.get("fenced_writes", {}).get("stale_accepted", 0)),

@@ -76,6 +76,7 @@ from ._modes import (
     exclusive_waits,
     fair_bound,
     free_while_waiting,
+    job_results,
     out_of_order,
     starved_writers,
 )
@@ -145,6 +146,10 @@ class RoundReport:
     waited_until: float | None = None
     """Loop time the wait ended (lease in hand, or the acquire's exception caught)."""
     blocking_timeout: float | None = None
+    result: str | None = None
+    """The jobs mode: the result ``once()`` returned."""
+    ran: str | None = None
+    """The jobs mode: the value this round's job returned, if it ran to its end."""
 
     @property
     def who(self) -> str:
@@ -182,6 +187,8 @@ class RoundReport:
             asked_at=_opt_float(message.get("asked_at")),
             waited_until=_opt_float(message.get("waited_until")),
             blocking_timeout=_opt_float(message.get("blocking_timeout")),
+            result=None if message.get("result") is None else str(message["result"]),
+            ran=None if message.get("ran") is None else str(message["ran"]),
         )
 
 
@@ -238,6 +245,8 @@ class RunRecord:
     """The fair mode: every lease was ``fair=True``."""
     redlock: int = 0
     """The Redlock mode: that many independent servers, each lease held on a majority."""
+    jobs: bool = False
+    """The jobs mode: rounds call ``once()`` (see ``chaos._modes``)."""
 
     @property
     def mode(self) -> str:
@@ -248,6 +257,8 @@ class RunRecord:
             return "shared"
         if self.redlock:
             return "redlock"
+        if self.jobs:
+            return "jobs"
         return "fair" if self.fair else "faults"
 
 
@@ -660,7 +671,8 @@ def summarize(record: RunRecord) -> Summary:
             details.extend(str(o) for o in long[:_SHOWN])
     by_holder = _pauses_by_holder(record.pauses)
     steady = [i for i in record.intervals if pause_of(i, by_holder, ttl) is None]
-    fencing: list[FencingViolation] = check_fencing(steady)
+    # (the jobs mode's tokens are times taken by the jobs, once() showing none)
+    fencing: list[FencingViolation] = [] if record.jobs else check_fencing(steady)
     if fencing:
         failures.append(f"{len(fencing)} fencing token(s) out of order")
         details.extend(str(v) for v in fencing[:_SHOWN])
@@ -831,6 +843,22 @@ def _mode_checks(record: RunRecord, windows: Sequence[DataLoss]) -> dict[str, An
             "exclusive_timeouts": exclusive_timeouts,
             "starved_writers": len(starved),
         }
+    if record.jobs:
+        conflicts = job_results(record.rounds, [(w.start, w.end) for w in windows])
+        bad = [c for c in conflicts if not c.after_data_loss]
+        if bad:
+            failures.append(f"{len(bad)} job result(s) stored twice (callers got two results)")
+            details.extend(str(c) for c in bad[:_SHOWN])
+        runs = Counter(r.lock for r in record.rounds if r.ran is not None)
+        found["jobs"] = {
+            "calls": sum(1 for r in record.rounds if r.kind == "job"),
+            "results": sum(1 for r in record.rounds if r.result is not None),
+            "keys": len({r.lock for r in record.rounds if r.result is not None}),
+            "runs_completed": sum(runs.values()),
+            "keys_run_again": sum(1 for n in runs.values() if n > 1),
+            "stored_twice": len(bad),
+            "stored_again_after_data_loss": len(conflicts) - len(bad),
+        }
     if record.fair:
         losses = [(w.start, w.end) for w in windows]
         disorder = out_of_order(record.rounds, record.pauses, losses, ttl)
@@ -939,6 +967,8 @@ def _render(
         mode = ", fair mode"
     elif record.redlock:
         mode = f", Redlock mode over {record.redlock} servers"
+    elif record.jobs:
+        mode = ", jobs mode (once())"
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "
@@ -971,6 +1001,18 @@ def _render(
             f"{shared['exclusive_timeouts']} timed out",
             f"  exclusive waiters starved by shared holders (no fault, no other exclusive "
             f"holder): {shared['starved_writers']}" + must(shared["starved_writers"]),
+        ]
+    if record.jobs:
+        jobs = data["jobs"]
+        lines += [
+            f"  jobs mode            {jobs['calls']} once() calls, {jobs['results']} returned "
+            f"a result, for {jobs['keys']} keys; {jobs['runs_completed']} jobs ran to their "
+            f"end ({jobs['keys_run_again']} keys ran again: a runner lost its lease or the "
+            "result)",
+            f"  job results stored twice (two results for a key): {jobs['stored_twice']}"
+            + must(jobs["stored_twice"])
+            + f"; again after a data loss (forgotten by design): "
+            f"{jobs['stored_again_after_data_loss']}",
         ]
     if record.fair:
         fair = data["fair"]

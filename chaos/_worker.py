@@ -84,6 +84,9 @@ _VERIFY: Final = 0.25  # share of rounds that verify the lease with Redis before
 _FAIR_WAIT: Final = 12.0  # TTLs a fair waiter waits (past the queue's bound for a dead waiter)
 _FAIR_LEAVING: Final = 0.25  # share of fair waiters that give up early ...
 _FAIR_LEAVE_AFTER: Final = (0.5, 2.0)  # ... after this many TTLs
+_JOB_GENERATION: Final = 5.0  # TTLs of wall time a generation of job keys lasts
+_JOB_KEYS: Final = 3  # job keys per generation
+_JOB_RESULT_TTL: Final = 600.0  # seconds a job's result is kept
 _JUMPERS: Final = 1 / 3  # share of rounds a sabotaged fair mode takes with a plain lease()
 
 
@@ -93,6 +96,7 @@ _WARNINGS: Final = (  # (text in an asynclock warning, the key it is counted und
     ("refreshing before use", "acquire answered too late"),
     ("could not undo", "abandoned acquire not undone"),
     ("did not complete", "release not completed"),
+    ("may not have been stored", "job result store unconfirmed"),
 )
 
 
@@ -165,6 +169,12 @@ class WorkerConfig:
     redlock: tuple[str, ...] = ()
     """The Redlock mode: the URLs of the independent servers (through this worker's
     proxies); each lease is ``lease([client, ...], name)`` over one client per URL."""
+    jobs: bool = False
+    """The jobs mode: each round calls ``asynclock.once()`` for one of a few job keys of
+    the moment (``job-<generation>-<k>``, the generation moving every 5 TTLs of wall
+    time, so several contenders of several processes call each key), with a job that
+    records its run as a guarded interval under the key and returns a value of its own;
+    the round reports the result it got (``result``) and whether its job ran (``ran``)."""
     fair: bool = False
     """The fair mode: every round takes ``lease(..., fair=True)``, waiting up to 12 TTLs
     (a quarter of them give up after 0.5-2 TTLs: waiters that leave); with ``sabotage``,
@@ -265,6 +275,10 @@ class _Round:
     waited_until: float | None = None
     """Loop time the wait ended: the lease in hand, or the acquire's exception caught."""
     blocking_timeout: float | None = None
+    result: str | None = None
+    """The jobs mode: the result ``once()`` returned to this round."""
+    ran: str | None = None
+    """The jobs mode: the value this round's job returned, if it ran to its end."""
 
     def message(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -330,6 +344,7 @@ class _Contender:
         self.sharing = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}:shared")
         self.fairness = random.Random(f"asynclock-chaos:{config.seed}:{config.index}{suffix}:fair")
         self.in_body = False
+        self.runs = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -371,7 +386,72 @@ class _Contender:
 
         return hook
 
+    async def _job_round(self) -> None:
+        """A round of the jobs mode: ``once()`` for a job key of the moment."""
+        config, worker = self.config, self.worker
+        generation = int(time.time() / (_JOB_GENERATION * config.ttl))
+        key = f"job-{generation}-{self.rng.randrange(_JOB_KEYS)}"
+        steps = self.rng.randint(*_STEPS)
+        state = _Round(key, kind="job", blocking_timeout=3 * config.ttl)
+        worker.stats["rounds"] += 1
+        self.runs += 1
+        value = f"{self.holder}#{self.runs}"
+
+        async def job() -> str:
+            token = int(time.time() * 1e6)  # (once() shows no token: a time that rises)
+            state.fence = token
+            guard = Guard(worker.history, key, self.holder, token)
+            with guard:
+                worker.report("acquired", lock=key, fence=token, holder=self.holder)
+                try:
+                    for _ in range(steps):
+                        pause = self.rng.uniform(*_STEP_SLEEP) * config.ttl
+                        if config.sabotage:  # the job outlives the lease
+                            with anyio.CancelScope(shield=True):
+                                await asyncio.sleep(pause * _SABOTAGE_SLOWER)
+                        else:
+                            await asyncio.sleep(pause)
+                    state.ran = value
+                    return value
+                finally:
+                    assert guard.start is not None
+                    state.body_start = guard.start
+                    state.body_end = time.monotonic()
+
+        state.asked_at = time.monotonic()
+        worker.report("asking", lock=key, holder=self.holder)
+        try:
+            result = await asynclock.once(
+                worker.client,
+                key,
+                job,
+                ttl=config.ttl,
+                result_ttl=_JOB_RESULT_TTL,
+                blocking_timeout=state.blocking_timeout,
+                prefix=config.prefix,
+            )
+            state.outcome, state.result = "released", str(result)
+        except asynclock.LockLost as exc:
+            state.outcome, state.reason = "lost", exc.reason.value
+        except asynclock.AcquireTimeout:
+            state.outcome = "timeout"
+        except (RedisError, OSError) as exc:
+            state.outcome, state.error = "error", type(exc).__name__
+        except asyncio.CancelledError:
+            state.outcome = "cancelled"
+            raise
+        except Exception as exc:
+            state.outcome, state.error = "unexpected", repr(exc)
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            state.waited_until = time.monotonic()
+            worker.stats[f"outcome:{state.outcome}"] += 1
+            worker.report("round", holder=self.holder, **state.message())
+
     async def _round(self) -> None:
+        if self.config.jobs:
+            await self._job_round()
+            return
         config = self.config
         worker = self.worker
         stats = worker.stats
