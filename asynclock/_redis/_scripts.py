@@ -245,6 +245,21 @@ end
 local text = string.format('%d', fence)
 """
 
+_MINT_AND_STORE_FENCE = """
+-- (shared) the next fencing token, written to the counter at KEYS[2] (PX ARGV[3]) in the
+-- same command that reads the last one (SET ... GET): max(last + 1, server TIME in
+-- microseconds), from the TIME reply `t`; `text` is it as a decimal string. (The counter
+-- is written again in the rare case that the clock gave no more than the last token.)
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local text = string.format('%d', fence)
+local last = tonumber(redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET'))
+if last and last >= fence then
+  fence = last + 1
+  text = string.format('%d', fence)
+  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+end
+"""
+
 _ACQUIRE_SOURCE = (
     """
 -- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
@@ -327,9 +342,8 @@ if current then
 end
 local t = redis.call('TIME')
 """
-    + _MINT_FENCE
-    + """redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-redis.call('SET', KEYS[1], mine .. text .. suffix, 'PX', ARGV[2])
+    + _MINT_AND_STORE_FENCE
+    + """redis.call('SET', KEYS[1], mine .. text .. suffix, 'PX', ARGV[2])
 on_success()
 return {1, fence}
 """
@@ -643,10 +657,11 @@ end
     + """local ttl = tonumber(ARGV[2])
 local stem = KEYS[4] .. ':permit:'
 local mine = ARGV[1] .. ':'
-local function index(slot, score)
-  redis.call('ZADD', KEYS[5], score, slot)
-  if redis.call('PTTL', KEYS[5]) < score - now then  -- (never shortened)
-    redis.call('PEXPIRE', KEYS[5], score - now)
+local function index(slot, score)  -- (the index's expiry is never shortened)
+  if redis.call('ZADD', KEYS[5], score, slot) == 1 and slot == '0' then
+    redis.call('PEXPIRE', KEYS[5], score - now)  -- (new: slot 0 is the first taken)
+  else
+    redis.call('PEXPIRE', KEYS[5], score - now, 'GT')
   end
 end
 if attempt then  -- a retry of ours: the permit it took, if still ours
@@ -676,9 +691,8 @@ for _ = 0, limit do
     slot = tostring(count)  -- never taken yet
   end
 """
-    + _MINT_FENCE.replace("\n", "\n  ")
+    + _MINT_AND_STORE_FENCE.replace("\n", "\n  ")
     + """if redis.call('SET', stem .. slot, mine .. text, 'PX', ttl, 'NX') then
-    redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
     redis.call('SET', KEYS[3], 'p' .. slot, 'PX', ttl)
     index(slot, now + ttl)
@@ -809,12 +823,13 @@ while true do
   redis.call('HDEL', KEYS[5], first)
 end
 if not current and (head == nil or head == ARGV[1]) then
-  redis.call('ZREM', KEYS[4], ARGV[1])
-  redis.call('HDEL', KEYS[5], ARGV[1])
+  if head then  -- (out of the queue; an empty queue does not hold us, nor the hash)
+    redis.call('ZREM', KEYS[4], ARGV[1])
+    redis.call('HDEL', KEYS[5], ARGV[1])
+  end
 """
-    + _MINT_FENCE
-    + """  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-  redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+    + _MINT_AND_STORE_FENCE.replace("\n", "\n  ")
+    + """redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
   return {1, fence}
 end
 if ARGV[5] == 'wait' then
@@ -868,16 +883,22 @@ return deleted
 _SHARED_DROP = """
 -- (shared) drop the reader ARGV[1]'s token `token` from KEYS[3] and expired readers;
 -- the last one out deletes the marker KEYS[2] and announces it on ARGV[2] (ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREM', KEYS[3], token)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-if redis.call('ZCARD', KEYS[3]) == 0 then
-  if redis.call('GET', KEYS[2]) == 'shared' then
-    redis.call('DEL', KEYS[2])
-    redis.call('PUBLISH', ARGV[2], ARGV[3])
+local longest = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')  -- (the last to expire)
+local last_out = not longest[1]  -- (the set is gone: Redis deletes an empty one)
+if not last_out then  -- (the clock is read only when other readers are left)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if tonumber(longest[2]) <= now then  -- every reader left has expired
+    redis.call('DEL', KEYS[3])
+    last_out = true
+  else
+    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   end
-  redis.call('DEL', KEYS[3])
+end
+if last_out and redis.call('GET', KEYS[2]) == 'shared' then
+  redis.call('DEL', KEYS[2])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
 end
 """
 
@@ -918,19 +939,17 @@ else
     end
   end
 """
-    + _MINT_FENCE.replace("\n", "\n  ")
-    + """  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-  redis.call('SET', KEYS[6], mine .. text, 'PX', ttl)
+    + _MINT_AND_STORE_FENCE.replace("\n", "\n  ")
+    + """redis.call('SET', KEYS[6], mine .. text, 'PX', ttl)
   result = fence
 end
 redis.call('ZADD', KEYS[5], now + ttl, ARGV[1])
-if redis.call('PTTL', KEYS[5]) < ttl then
+if redis.call('SET', KEYS[1], 'shared', 'PX', ttl, 'NX') then
+  -- the first reader in: whatever else the readers' set holds has expired
   redis.call('PEXPIRE', KEYS[5], ttl)
-end
-if not redis.call('SET', KEYS[1], 'shared', 'PX', ttl, 'NX') then
-  if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], ttl)
-  end
+else  -- (both have an expiry, set when the marker was: never shortened)
+  redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
+  redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
 end
 return {1, result}
 """,
