@@ -80,3 +80,10 @@ def held(options: LeaseOptions, pttl_ms: int | None) -> AcquireTimeout:
 def no_answer(options: LeaseOptions) -> AcquireTimeout:
     """The timeout of an acquisition whose last round trip got no answer in time."""
     return AcquireTimeout(options.name, options.blocking_timeout or 0.0, "Redis did not answer")
+
+
+def slow(options: LeaseOptions) -> AcquireTimeout:
+    """The timeout of an acquisition whose last grant came too late to use, past the
+    deadline."""
+    detail = "Redis is slow: the last grant came too late to use"
+    return AcquireTimeout(options.name, options.blocking_timeout or 0.0, detail)

@@ -29,10 +29,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from .._base._events import EventHook, LeaseEventKind, hooks, report
 from .._base._exceptions import AcquireTimeout, LockBusy
 from .._base._options import Client, LeaseOptions
-from .._kinds._fair import FairAcquisition
-from .._kinds._mutex import Acquisition, Job, JobConflict, JobDone
-from .._kinds._permits import PermitAcquisition
-from .._kinds._shared import SharedAcquisition
+from .._kinds._engine import Kind, acquire
+from .._kinds._fair import Fair
+from .._kinds._mutex import Job, JobConflict, JobDone, Mutex
+from .._kinds._permits import Permits
+from .._kinds._shared import Shared
 from .._redis._cluster import node_client, reload_slots
 from .._redis._lane import not_sent
 from .._session._connections import Companion, companion_for
@@ -140,19 +141,18 @@ async def _take_on_cluster(
 async def _take(
     redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None
 ) -> Lease:
+    """``take()`` on one server, by the engine (``_kinds._engine``) with the options'
+    kind: the lease on the key the grant holds."""
     companion = companion_for(redis)
-    if options.limit > 1:  # a semaphore's permit (a task may hold more than one)
-        return await _take_permit(companion, options, hook)
-    # (a shared lease too: taken again while a writer waits, it would wait for itself)
-    companion.check_not_holding(options.base_key, options.name)
-    if options.fair:
-        return await _take_fair(companion, options, hook)
-    if options.shared:
-        return await _take_shared(companion, options, hook)
+    if options.limit == 1:
+        # (a task may hold more than one permit of a semaphore; any other lock taken again
+        # by a task that holds it would wait for itself)
+        companion.check_not_holding(options.base_key, options.name)
+    kind = _kind(options, companion, job)
     companion.retain()
     companion.check_eviction_once()
     try:
-        grant = await Acquisition(companion, options, job).run()
+        token, grant = await acquire(companion, options, kind)
     except (JobDone, JobConflict):
         # A job's result (or conflict): its caller returns at once; letting go of the
         # companion (closing idle side connections) goes on in the background.
@@ -161,49 +161,18 @@ async def _take(
     except BaseException:
         await unretain(companion)
         raise
+    held = kind.holding(token, grant)
     # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
     suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
-    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook, suffix)
+    return Lease(held, companion, token, grant.fencing_token, grant.t_send, hook, suffix)
 
 
-async def _take_permit(
-    companion: Companion, options: LeaseOptions, hook: EventHook | None
-) -> Lease:
-    """``take()`` for a permit of the semaphore of ``options`` (see ``_permits``): a lease
-    on the permit's own key."""
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await PermitAcquisition(companion, options).run()
-    except BaseException:
-        await unretain(companion)
-        raise
-    permit = options.permit(grant.slot)
-    return Lease(permit, companion, grant.token, grant.fencing_token, grant.t_send, hook)
-
-
-async def _take_fair(companion: Companion, options: LeaseOptions, hook: EventHook | None) -> Lease:
-    """``take()`` for a fair lock (see ``_fair``): the plain lock's lease, in turn."""
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await FairAcquisition(companion, options).run()
-    except BaseException:
-        await unretain(companion)
-        raise
-    return Lease(options, companion, grant.token, grant.fencing_token, grant.t_send, hook)
-
-
-async def _take_shared(
-    companion: Companion, options: LeaseOptions, hook: EventHook | None
-) -> Lease:
-    """``take()`` for a shared lease (see ``_shared``): a lease on a key of its own."""
-    companion.retain()
-    companion.check_eviction_once()
-    try:
-        grant = await SharedAcquisition(companion, options).run()
-    except BaseException:
-        await unretain(companion)
-        raise
-    held = options.for_reader(grant.token)
-    return Lease(held, companion, grant.token, grant.fencing_token, grant.t_send, hook)
+def _kind(options: LeaseOptions, companion: Companion, job: Job | None) -> Kind:
+    """The kind of lock the options ask for, as the engine's policy."""
+    if options.limit > 1:
+        return Permits(options)
+    if options.fair:
+        return Fair(options)
+    if options.shared:
+        return Shared(options)
+    return Mutex(options, companion, job)

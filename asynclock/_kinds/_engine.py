@@ -1,0 +1,522 @@
+"""The acquisition loop, written once; a kind of lock plugs in as a policy (``Kind``).
+
+Design note. An acquisition is one attempt (``blocking=False`` or ``blocking_timeout=0``)
+or a wait: try; on a busy reply subscribe to the lock's release channel and try again (so
+no release slips between the two); then park until a wake-up, the holder's time left (the
+kind's ``pause``) or the deadline (``_bound``), and try again. A kind's waiters of one
+client either queue in one line, where only the head tries (``Kind.line``: the permits of
+a semaphore), or all try at each wake-up (shared and fair leases, whose order is the
+server's).
+
+The ladder for an attempt whose outcome is unknown lives here alone: after a connection
+error or timeout the same script is sent once more with the same token (the kind's script
+finds its own hold and answers as if it had just taken it); if the outcome stays unknown,
+the deadline passes, or the caller is cancelled (even by a cancellation that redis-py's
+internal ``wait_for`` swallowed: see ``_shield.cancel_dropped``), whatever the attempt
+may have left on the server is undone (the kind's ``undo`` script, which also leaves a
+tombstone that stops a late arrival of the attempt) before the error propagates. An
+attempt answered so late that less than a third of the TTL is left is not handed out: it
+is sent again at once, which refreshes the hold in one round trip.
+
+A kind supplies only what differs (``Kind``): the script and its keys and arguments, the
+parsing of its reply into a named outcome (``Granted``, ``Busy``, ``Refused``), the pause
+before trying again unprompted, its undo script, and how its waiters take turns
+(``Turn``): all at each wake-up (``Crowd``), the head of the client's line (``Line``), or,
+for the plain lock, a line whose head may also be handed the lock by a releaser and whose
+first waiter tries before taking a place in it (``_mutex.HandOverLine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
+
+from .._base._exceptions import AcquireTimeout, LockBusy
+from .._base._options import LeaseOptions
+from .._base._shield import finish
+from .._redis._lane import not_sent
+from .._redis._scripts import UNKNOWN_OUTCOME, Arg, Script, run_idempotent
+from .._session._connections import Companion
+from .._session._wakeup import Waiter, WaitingRoom
+from ._bound import TIMEOUT_GRACE, held, no_answer, one_attempt, round_trip_end, slow
+
+__all__ = [
+    "Busy",
+    "Crowd",
+    "Granted",
+    "Kind",
+    "Line",
+    "Refused",
+    "Request",
+    "Turn",
+    "acquire",
+    "until_expiry",
+]
+
+log = logging.getLogger("asynclock")
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """The lock taken: the fencing token minted, the loop time the attempt was sent (or
+    the offer a releaser granted), the kind's detail (a semaphore's permit slot; -1
+    none), and whether a releaser handed it over (the key then holds no job digest)."""
+
+    fencing_token: int
+    t_send: float
+    slot: int = -1
+    handed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """The lock is taken: what the reply said of the holder's time left (ms; -1 no
+    expiry, 0 ending now or unknown: ``LockBusy.retry_after`` is None then);
+    ``pending``: the attempt left something of ours on the server that giving up must
+    undo (a fair waiter's place in the queue)."""
+
+    pttl_ms: int
+    pending: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The lock cannot be had this way: ``error`` says why (a conflicting limit, another
+    kind, a job's stored result or another fingerprint). Nothing of ours was left."""
+
+    error: Exception
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One script call: the script, its keys and its arguments."""
+
+    script: Script
+    keys: Sequence[str]
+    args: list[Arg]
+
+
+class Turn:
+    """When a waiter of one client may try, and how it leaves (the base: always)."""
+
+    __slots__ = ("event",)
+
+    waiter: Waiter | None = None
+    """Our place in the client's line, once taken (lines only)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.event.set()  # (tries at once)
+
+    def first_alone(self) -> bool:
+        """Whether to try once before taking a place (nobody of ours waits)."""
+        return False
+
+    def take_place(self) -> None:
+        """Start waiting (in the line, or as a listener)."""
+
+    def mine(self) -> bool:
+        """Whether it is our turn to try when woken."""
+        return True
+
+    def handed(self) -> Granted | None:
+        """The lock, if a releaser handed it to us (once)."""
+        return None
+
+    @property
+    def exposed(self) -> bool:
+        """Whether a releaser may have handed (or granted) us the key: giving up must
+        undo it."""
+        return False
+
+    async def leave(self, granted: bool, quietly: bool) -> None:
+        """Stop waiting; ``granted``: we took the lock; ``quietly``: our caller returns
+        at once (timed out, or refused), so what can wait goes on in the background."""
+
+
+class Crowd(Turn):
+    """Every waiter of the client tries at each wake-up (shared and fair leases)."""
+
+    __slots__ = ("_channel", "_room")
+
+    def __init__(self, room: WaitingRoom, channel: str) -> None:
+        super().__init__()
+        self._room = room
+        self._channel = channel
+
+    def take_place(self) -> None:
+        self._room.listen(self._channel, self.event)
+
+    async def leave(self, granted: bool, quietly: bool) -> None:
+        self._room.unlisten(self._channel, self.event)
+
+
+class Line(Turn):
+    """The client's waiters queue in one line; only its head tries (a semaphore's)."""
+
+    __slots__ = ("_channel", "_options", "_room", "_token", "waiter")
+
+    def __init__(self, room: WaitingRoom, channel: str, token: str, options: LeaseOptions):
+        super().__init__()
+        self._room = room
+        self._channel = channel
+        self._token = token
+        self._options = options
+        self.waiter = None
+
+    def take_place(self) -> None:
+        options = self._options
+        waiter = Waiter(self._token, options.ttl_ms, options.fence_ttl_ms)
+        self.waiter = self._room.join(self._channel, waiter)
+        self.event = waiter.event
+        self.event.set()  # (tries at once; leave() sets it too when we become the head)
+
+    def mine(self) -> bool:
+        return self.waiter is not None and self._room.is_head(self._channel, self.waiter)
+
+    async def leave(self, granted: bool, quietly: bool) -> None:
+        """Out of the line; the next in line tries now (another permit may be free, or,
+        if we gave up, the one we were woken for)."""
+        if self.waiter is not None:
+            self._room.leave(self._channel, self.waiter, wake_next=True)
+
+
+class Kind:
+    """What a kind of lock supplies to the acquisition loop (the defaults: a kind whose
+    attempt depends on nothing but the token, with no bookkeeping around it)."""
+
+    __slots__ = ()
+
+    def turn(self, room: WaitingRoom, token: str) -> Turn:
+        """How this acquisition's waits take turns in ``room``."""
+        raise NotImplementedError
+
+    def attempt(self, token: str, turn: Turn | None) -> Request:
+        """The acquire script for ``token``; ``turn``: part of a blocking wait."""
+        raise NotImplementedError
+
+    def sending(self, request: Request, t_send: float) -> None:
+        """Called just before ``request`` is sent at loop time ``t_send`` (each try)."""
+
+    def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
+        """The acquire script's reply as an outcome."""
+        raise NotImplementedError
+
+    def answered(self, outcome: Granted | Busy, waiting: bool) -> None:
+        """Called with each answer the caller was not cancelled during."""
+
+    def pause(self, busy: Busy) -> float:
+        """Seconds to wait before trying again when no release wakes us."""
+        raise NotImplementedError
+
+    def holding(self, token: str, grant: Granted) -> LeaseOptions:
+        """The options of the lease that ``grant`` (taken with ``token``) holds: its key
+        is the lock's, a permit's or a shared lease's own."""
+        raise NotImplementedError
+
+    def undo(self, token: str, origin: str) -> Request:
+        """The script that undoes whatever an attempt with ``token`` may have left (and
+        stops it from landing later); ``origin``: our client's id in release messages."""
+        raise NotImplementedError
+
+
+def until_expiry(options: LeaseOptions, pttl_ms: int) -> float:
+    """Seconds until a hold that has ``pttl_ms`` left expires, plus a little jitter (a
+    key without expiry, ``pttl_ms`` -1, is looked at again after a ttl)."""
+    wait = options.ttl if pttl_ms < 0 else pttl_ms / 1000
+    return wait + random.uniform(0.001, 0.005 + wait * 0.02)
+
+
+async def acquire(companion: Companion, options: LeaseOptions, kind: Kind) -> tuple[str, Granted]:
+    """Acquire by ``kind``'s rules: one attempt or a wait, as the options say; returns
+    the token the lock was taken with and the grant.
+
+    Raises:
+        LockBusy: ``blocking=False`` and the lock is taken.
+        AcquireTimeout: ``blocking_timeout`` passed (``0``: the one attempt found the lock
+            taken), or one attempt was answered too late, twice, to hand the lease out.
+        Exception: a ``Refused`` outcome's error (``LimitConflict``, a job's outcome).
+        redis.exceptions.RedisError: Redis refused or stayed unreachable.
+    """
+    return await _Acquisition(companion, options, kind).run()
+
+
+class _Acquisition:
+    """One acquire: the state of the loop."""
+
+    __slots__ = (
+        "_companion",
+        "_kind",
+        "_loop",
+        "_options",
+        "_pending",
+        "_refused",
+        "_token",
+        "_turn",
+    )
+
+    def __init__(self, companion: Companion, options: LeaseOptions, kind: Kind) -> None:
+        self._companion = companion
+        self._options = options
+        self._kind = kind
+        self._loop = companion.loop
+        self._token = secrets.token_hex(16)
+        self._pending = False  # an attempt of ours may have left a hold (or a place)
+        self._refused = False  # the last reply was a Refused outcome
+        self._turn: Turn | None = None  # how we wait, while we do
+
+    async def run(self) -> tuple[str, Granted]:
+        options = self._options
+        timeout = options.blocking_timeout
+        deadline = None if timeout is None else self._loop.time() + timeout
+        try:
+            if one_attempt(options):
+                return self._token, await self._once(deadline)
+            return self._token, await self._wait(deadline)
+        except BaseException as exc:
+            turn = self._turn
+            # (a refusal answered our last attempt: nothing of ours is in flight, and a
+            # grant to a withdrawn offer is given back by the room)
+            exposed = turn is not None and turn.exposed and not self._refused
+            try:
+                if self._pending or exposed:
+                    timed_out = isinstance(exc, AcquireTimeout)
+                    await self._undo(TIMEOUT_GRACE if timed_out else None)
+            finally:
+                # (an offered token stays in use for as long as its lease: a grant
+                # repeated to it is not undone; see WaitingRoom.in_use)
+                self._companion.room.in_use.discard(self._token)
+            raise
+
+    async def _once(self, deadline: float | None) -> Granted:
+        options = self._options
+        for _ in range(2):  # (a second try when the reply came too late to use)
+            outcome = await self._attempt(deadline, None)
+            if isinstance(outcome, Busy):
+                if options.blocking:  # (blocking_timeout=0)
+                    raise held(options, outcome.pttl_ms)
+                pttl = outcome.pttl_ms
+                raise LockBusy(options.name, pttl / 1000 if pttl > 0 else None)
+            if self._usable(outcome.t_send):
+                return outcome
+        raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use it")
+
+    async def _wait(self, deadline: float | None) -> Granted:
+        turn = self._turn = self._kind.turn(self._companion.room, self._token)
+        first: Busy | None = None
+        if turn.first_alone():
+            outcome = await self._alone(turn, deadline)
+            if isinstance(outcome, Granted):
+                return outcome
+            first = outcome
+        turn.take_place()
+        granted = False
+        quietly = False
+        try:
+            grant = await self._in_turn(turn, deadline, first)
+            granted = True
+            return grant
+        except AcquireTimeout:
+            quietly = True
+            raise
+        except Exception:
+            quietly = self._refused
+            raise
+        finally:
+            await turn.leave(granted, quietly)
+
+    async def _alone(self, turn: Turn, deadline: float | None) -> Granted | Busy:
+        """Try before taking a place in the line (the uncontended case costs no line
+        bookkeeping): a usable grant, or the busy reply to act on once in line."""
+        while True:
+            outcome = await self._attempt(deadline, turn)
+            if isinstance(outcome, Busy) or self._usable(outcome.t_send):
+                return outcome
+            if deadline is not None and self._loop.time() >= deadline:
+                raise slow(self._options)
+
+    async def _in_turn(self, turn: Turn, deadline: float | None, busy: Busy | None) -> Granted:
+        """Wait in turn until an attempt (or a releaser) gives us the lock."""
+        options = self._options
+        room = self._companion.room
+        subscribed = False
+        held_ms = None if busy is None else busy.pttl_ms  # the last busy reply's word
+        while True:
+            handed = turn.handed()
+            if handed is not None:
+                if self._usable(handed.t_send):
+                    return handed
+                turn.event.set()  # too late to use: refresh it with an attempt
+            wait: float | None = None
+            # (a waiter holding the key, granted too late to use, refreshes it even if it
+            # is not the head: a grant by another client can reach any offered token)
+            if not (turn.mine() or self._pending):
+                turn.event.clear()  # (woken when it becomes the head of the line)
+                busy = None
+            elif busy is not None or turn.event.is_set():
+                turn.event.clear()
+                if busy is None:
+                    outcome = await self._try(turn, deadline, held_ms)
+                    if isinstance(outcome, Granted):
+                        return outcome
+                    if outcome is None:
+                        turn.event.set()  # granted too late to use: refresh it at once
+                        continue
+                    busy = outcome
+                held_ms = busy.pttl_ms
+                if not subscribed:
+                    subscribed = True
+                    if await room.subscribe(options.channel, deadline):
+                        busy = None
+                        turn.event.set()  # subscribed first, now try again
+                        continue
+                wait = self._kind.pause(busy)
+                busy = None
+            if deadline is not None:
+                left = deadline - self._loop.time()
+                if left <= 0:
+                    raise held(options, held_ms)
+                wait = left if wait is None else min(wait, left)
+            try:
+                async with asyncio.timeout(wait):
+                    await turn.event.wait()
+            except TimeoutError:
+                turn.event.set()  # the holder's time is up about now: try again
+
+    async def _try(
+        self, turn: Turn, deadline: float | None, held_ms: int | None
+    ) -> Granted | Busy | None:
+        """One attempt in turn: a usable grant, a busy reply, or None for a grant
+        answered too late to use (to be refreshed)."""
+        if deadline is not None and self._loop.time() >= deadline:
+            raise held(self._options, held_ms)  # (an attempt now would be too late)
+        outcome = await self._attempt(deadline, turn)
+        if isinstance(outcome, Busy) or self._usable(outcome.t_send):
+            return outcome
+        if deadline is not None and self._loop.time() >= deadline:
+            raise slow(self._options)
+        return None
+
+    def _usable(self, t_send: float) -> bool:
+        """Whether a hold taken by an attempt sent at ``t_send`` leaves at least a third
+        of its TTL; if not, the caller tries again with the same token, which refreshes
+        our own hold in one round trip (no release and re-acquire on a slow server)."""
+        options = self._options
+        left = options.safe_until(t_send) - self._loop.time()
+        self._pending = left < options.ttl / 3
+        if self._pending:
+            log.warning(
+                "acquire of %r took %.3fs of a %.3fs ttl; refreshing before use",
+                options.name,
+                self._loop.time() - t_send,
+                options.ttl,
+            )
+        return not self._pending
+
+    async def _attempt(self, deadline: float | None, turn: Turn | None) -> Granted | Busy:
+        """One attempt, and the unknown-outcome ladder (see the design note); ``turn``:
+        part of a blocking wait.
+
+        Raises:
+            AcquireTimeout: ``deadline`` passed before Redis answered.
+            Exception: a ``Refused`` outcome's error.
+        """
+        kind = self._kind
+        request = kind.attempt(self._token, turn)
+        script, keys, args = request.script, request.keys, request.args
+        task = asyncio.current_task()  # (once: on Python 3.11 each lookup costs ~0.3 µs)
+        before = task.cancelling() if task is not None else 0
+        client = self._companion.lane
+        retried = False
+        while True:
+            t_send = self._loop.time()
+            kind.sending(request, t_send)
+            try:
+                try:
+                    reply = await script(client, keys, args, round_trip_end(deadline, t_send))
+                except MaxConnectionsError:  # the caller's pool is full: nothing was sent
+                    t_send = self._loop.time()  # (an offer keeps the earlier time)
+                    ends = round_trip_end(deadline, t_send)
+                    reply = await script(self._companion.overflow(), keys, args, ends)
+                break
+            except UNKNOWN_OUTCOME as exc:
+                if not_sent(exc) and not retried:
+                    raise  # (never reached Redis: nothing to undo)
+                self._pending = True  # (it may have landed: run() undoes it)
+                if deadline is not None and self._loop.time() >= deadline:
+                    raise no_answer(self._options) from exc
+                if retried:
+                    raise
+                retried = True
+            except ResponseError as exc:
+                if isinstance(exc, OutOfMemoryError):
+                    exc.add_note(
+                        f"asynclock: cannot acquire {self._options.name!r}: Redis is out of "
+                        "memory (maxmemory reached under noeviction); leases already held "
+                        "keep renewing, new ones cannot be written"
+                    )
+                raise  # the server refused the script: it wrote nothing
+            except BaseException:
+                self._pending = True
+                raise
+        return self._answered(reply, t_send, turn is not None, task, before)
+
+    def _answered(
+        self,
+        reply: object,
+        t_send: float,
+        waiting: bool,
+        task: asyncio.Task[object] | None,
+        before: int,
+    ) -> Granted | Busy:
+        """The reply as an outcome, with the dropped-cancellation rule: a cancellation
+        that arrived while the script was in flight is raised here, what the attempt took
+        left for ``run()`` to undo."""
+        cancelled = task is not None and task.cancelling() > before  # (see cancel_dropped)
+        try:
+            outcome = self._kind.parse(reply, t_send, waiting)
+        except Exception:
+            if cancelled:
+                raise asyncio.CancelledError from None
+            raise
+        left = isinstance(outcome, Granted) or (isinstance(outcome, Busy) and outcome.pending)
+        if cancelled:
+            self._pending = self._pending or left
+            raise asyncio.CancelledError
+        self._pending = left and not isinstance(outcome, Granted)  # (see _usable)
+        if isinstance(outcome, Refused):
+            self._refused = True
+            raise outcome.error
+        self._kind.answered(outcome, waiting)
+        return outcome
+
+    async def _undo(self, limit: float | None = None) -> None:
+        """Undo whatever an attempt may have left, within ``limit`` seconds (at most
+        ``release_timeout``); then let the others of our client try."""
+        options = self._options
+        companion = self._companion
+        request = self._kind.undo(self._token, companion.room.origin)
+        bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
+        try:
+            work = run_idempotent(
+                request.script, companion.lane, companion.overflow, request.keys, request.args
+            )
+            await finish(work, bound)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "could not undo an acquire attempt of %r that may have landed (%r); if it "
+                "did, what it took expires by its TTL",
+                options.name,
+                exc,
+            )
+        finally:
+            self._pending = False
+            companion.room.wake(options.channel)  # (the others: it may be free now)
