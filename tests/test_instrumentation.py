@@ -265,3 +265,40 @@ def test_a_missing_extra_says_which_to_install(
     assert f"pip install 'asynclock[{extra}]'" in str(missing.value)
     assert missing.value.name == module
     assert isinstance(missing.value.__cause__, ImportError)
+
+
+async def test_once_reports_its_acquisitions_like_every_way_in(client: Redis, prefix: str) -> None:
+    """once() reports acquired (with the wait) before released, and acquire_failed on a
+    timeout, as lease() and acquire() do: a metrics hook counts its holds with their
+    acquisitions."""
+    seen: list[asynclock.LeaseEvent] = []
+    instrumentation.set_hooks([seen.append])
+
+    async def job() -> int:
+        return 7
+
+    assert await asynclock.once(client, "job", job, prefix=prefix) == 7
+    kinds = [event.kind for event in seen if event.name == "job"]
+    assert kinds[0] is LeaseEventKind.ACQUIRED
+    assert LeaseEventKind.RELEASED in kinds
+    acquired = next(e for e in seen if e.kind is LeaseEventKind.ACQUIRED)
+    assert acquired.waited is not None
+    assert acquired.waited >= 0
+
+    seen.clear()
+    gate = asyncio.Event()
+    running = asyncio.Event()
+
+    async def slow() -> int:
+        running.set()  # (the first caller holds the job's lease)
+        await gate.wait()
+        return 8
+
+    first = asyncio.create_task(asynclock.once(client, "slow", slow, prefix=prefix))
+    await running.wait()
+    with pytest.raises(AcquireTimeout):
+        await asynclock.once(client, "slow", slow, blocking_timeout=0.1, prefix=prefix)
+    gate.set()
+    assert await first == 8
+    failed = [e for e in seen if e.kind is LeaseEventKind.ACQUIRE_FAILED]
+    assert [e.detail for e in failed] == ["timeout"]

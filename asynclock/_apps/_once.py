@@ -34,7 +34,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 from .._base._exceptions import IdempotencyConflict, LockLost, LossReason, ResultNotStored
 from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
 from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
-from .._lifecycle._take import take
+from .._lifecycle._take import begin
 from .._redis._lane import encoding_of
 from ._template import (
     ClientSource,
@@ -194,14 +194,13 @@ async def _run_once(
     codec = _codec(serializer)
     job = Job(options.key + _RESULT_SUFFIX, digest)
     try:
-        held = await take(redis, options, None, job)
+        held = await begin(redis, options, None, job)
     except JobUnstored as marker:
         raise ResultNotStored(key, _text(marker.payload, redis)) from None
     except JobDone as done:
         return codec.loads(_as_bytes(done.payload, redis))  # type: ignore[no-any-return]
     except JobConflict:
         raise IdempotencyConflict(key) from None
-    held._start(None)
     try:
         async with held.guard():
             result = await func(*args)

@@ -18,14 +18,14 @@ from typing import cast, overload
 
 from redis.asyncio.cluster import RedisCluster
 
-from .._base._events import EventHook, LeaseEventKind
+from .._base._events import EventHook
 from .._base._options import Client, LeaseOptions
 from .._session._connections import HoldEntry
 from ._lease import Lease, LeaseState
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
 from ._release import Wake, after_release
 from ._release import release as release_lease
-from ._take import take_reporting
+from ._take import begin
 
 __all__ = ["LeaseContext", "acquire", "lease"]
 
@@ -47,13 +47,9 @@ class LeaseContext:
         if redis is None:
             raise RuntimeError("a lease() context manager can be entered only once")
         self._redis = None
-        held, waited = await take_reporting(redis, self._options, self._hook)
+        held = await begin(redis, self._options, self._hook, block=True)
         self._lease = held
-        scope = held._companion.cancel_scope()
-        scope.__enter__()
-        held._start(scope)
         self._entry = held._companion.holding(held._options.base_key)  # (any kind's)
-        held._event(LeaseEventKind.ACQUIRED, waited=waited)
         return held
 
     async def __aexit__(
@@ -400,10 +396,7 @@ async def acquire(
         min_replicas,
         wait_aof,
     )
-    held, waited = await take_reporting(cast(Client, redis), options, on_event)
-    held._start(None)
-    held._event(LeaseEventKind.ACQUIRED, waited=waited)
-    return held
+    return await begin(cast(Client, redis), options, on_event)
 
 
 def _options(

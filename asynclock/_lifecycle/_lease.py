@@ -432,9 +432,11 @@ class Lease:
                 slack,
             )
 
-    def _start(self, scope: anyio.CancelScope | None) -> None:
+    def _start(self, scope: anyio.CancelScope | None, waited: float | None = None) -> None:
         """Schedule the first renewal, which also watches the deadline (no await in
-        between). ``scope`` is the block's; None for a lease of ``acquire()``."""
+        between). ``scope`` is the block's; None for a lease of ``acquire()``. ``waited``:
+        the seconds the acquisition took, reported as ``acquired`` (None: a part of a
+        Redlock, which reports its own)."""
         self._scope = scope
         if scope is None:
             self._guards = ()
@@ -444,6 +446,8 @@ class Lease:
         if most:  # (counted from the acquire's send, as the deadline is)
             at = self._last_send + most
             self._max_hold_timer = companion.loop.call_at(at, self._max_hold_reached)
+        if waited is not None:
+            self._event(LeaseEventKind.ACQUIRED, waited=waited)
 
     def _max_hold_reached(self) -> None:
         """``max_hold`` seconds since the acquisition: lost, though renewals succeed."""

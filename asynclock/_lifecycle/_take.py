@@ -41,7 +41,7 @@ from ._lease import Lease
 from ._release import let_go, unretain
 from ._replicas import confirm_replicas
 
-__all__ = ["take", "take_reporting"]
+__all__ = ["begin", "take"]
 
 log = logging.getLogger("asynclock")
 
@@ -61,15 +61,24 @@ async def take(
     return held
 
 
-async def take_reporting(
-    redis: Client, options: LeaseOptions, hook: EventHook | None
-) -> tuple[Lease, float]:
-    """``take``, and the seconds it took (for the ``acquired`` event); a busy lock or a
-    timeout is reported as an ``acquire_failed`` event (``busy`` or ``timeout``)."""
+async def begin(
+    redis: Client,
+    options: LeaseOptions,
+    hook: EventHook | None,
+    job: Job | None = None,
+    *,
+    block: bool = False,
+) -> Lease:
+    """The start of a lease, the same for every way in (``lease()``, ``acquire()``,
+    ``once()``): ``take`` it, start it (its watchdog; ``block``: an ``async with`` block's,
+    whose cancel scope, entered here in the caller's task, a loss cancels) and report
+    ``acquired`` with the seconds it took; a busy lock or a timeout is reported as
+    ``acquire_failed`` (``busy`` or ``timeout``). Redlock starts its servers' leases
+    itself (``_redlock``): it reports one acquisition for all of them."""
     loop = asyncio.get_running_loop()
     t_call = loop.time()
     try:
-        held = await take(redis, options, hook)
+        held = await take(redis, options, hook, job)
     except (LockBusy, AcquireTimeout) as exc:
         if hook is not None or hooks():
             now = loop.time()
@@ -77,7 +86,12 @@ async def take_reporting(
             failed = LeaseEventKind.ACQUIRE_FAILED
             report(hook, failed, options.name, 0, now, 0.0, why, now - t_call)
         raise
-    return held, loop.time() - t_call
+    scope = None
+    if block:
+        scope = held._companion.cancel_scope()
+        scope.__enter__()  # (no await since the grant: see take)
+    held._start(scope, waited=loop.time() - t_call)
+    return held
 
 
 _SLOT_TRIES = 5  # attempts after MOVED or an unreachable node (the map reloaded each time)
