@@ -45,6 +45,7 @@ from .._redis._scripts import UNKNOWN_OUTCOME, Arg, Script, run_idempotent
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
 from ._bound import TIMEOUT_GRACE, held, no_answer, one_attempt, round_trip_end, slow
+from ._hold import Hold
 
 __all__ = [
     "Busy",
@@ -215,9 +216,9 @@ class Kind:
         """Seconds to wait before trying again when no release wakes us."""
         raise NotImplementedError
 
-    def holding(self, token: str, grant: Granted) -> LeaseOptions:
-        """The options of the lease that ``grant`` (taken with ``token``) holds: its key
-        is the lock's, a permit's or a shared lease's own."""
+    def holding(self, token: str, grant: Granted) -> Hold:
+        """What the lease that ``grant`` (taken with ``token``) holds: its key (the
+        lock's, a permit's or a shared lease's own) and how it is renewed and released."""
         raise NotImplementedError
 
     def undo(self, token: str, origin: str) -> Request:

@@ -27,6 +27,7 @@ from .._base._options import LeaseOptions
 from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, Arg
 from .._session._wakeup import WaitingRoom
 from ._engine import Busy, Crowd, Granted, Kind, Refused, Request, Turn
+from ._hold import Hold, of_lock
 
 __all__ = ["FAIR_PATIENCE", "Fair"]
 
@@ -86,8 +87,8 @@ class Fair(Kind):
             wait = min(wait, busy.pttl_ms / 1000 + random.uniform(0.001, 0.005))
         return wait
 
-    def holding(self, token: str, grant: Granted) -> LeaseOptions:
-        return self._options  # (the plain lock's key)
+    def holding(self, token: str, grant: Granted) -> Hold:
+        return of_lock(self._options)  # (the plain lock's key, never handed over)
 
     def undo(self, token: str, origin: str) -> Request:
         """Leave the queue, and undo an attempt that may have taken the lock."""

@@ -27,6 +27,7 @@ which ACQUIRE honours, so the cleanup is safe even if it overtakes the attempt.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 from typing import Final, NamedTuple, cast
@@ -34,20 +35,24 @@ from typing import Final, NamedTuple, cast
 from .._base._options import LeaseOptions
 from .._base._shield import finish
 from .._redis._lane import exchange
-from .._redis._scripts import ABANDON, ACQUIRE, ACQUIRE_JOB, Arg
+from .._redis._scripts import ABANDON, ACQUIRE, ACQUIRE_JOB, HANDOFF, Arg
 from .._session._connections import Companion
-from .._session._wakeup import WaitingRoom
+from .._session._wakeup import Waiter, WaitingRoom
 from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn
+from ._hold import Hold, of_lock
 
 __all__ = [
     "GRANT_FRESH_MS",
     "HANDOFF_PATIENCE_MS",
     "HandOverLine",
+    "Handoff",
     "Job",
     "JobConflict",
     "JobDone",
     "JobUnstored",
     "Mutex",
+    "handoff_call",
+    "read_handoff",
     "register_ms",
     "unregister",
 ]
@@ -198,8 +203,8 @@ class Mutex(Kind):
         wait = pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
         return min(wait, register_ms(self._options.ttl_ms) / 2000)
 
-    def holding(self, token: str, grant: Granted) -> LeaseOptions:
-        return self._options
+    def holding(self, token: str, grant: Granted) -> Hold:
+        return of_lock(self._options)
 
     def undo(self, token: str, origin: str) -> Request:
         """ABANDON: delete the key if it holds ``token``, withdraw its offer, tombstone it."""
@@ -254,6 +259,63 @@ class HandOverLine(Line):
                 room.in_background(work)
             else:
                 await work
+
+
+class Handoff(enum.Enum):
+    """What HANDOFF did with the key (a release with a waiter in our own line)."""
+
+    NOT_OURS = 0  # the key was not ours: nothing done
+    HANDED = 1  # the key now belongs to the next waiter's token, with a new fence
+    CONTESTED = 2  # released as RELEASE does: another client's waiter is due
+    ALREADY = 3  # the key already held the next waiter's token (its own attempt, or a
+    # retry of ours after our handoff landed); its expiry renewed
+    RELEASED = 4  # the next waiter gave up (its tombstone): released as RELEASE does
+    GRANTED = 5  # granted to another client's offered waiter (and published to it)
+
+
+def handoff_call(
+    options: LeaseOptions,
+    owner: str,
+    successor: Waiter,
+    behind: Waiter | None,
+    origin: str,
+    listening: bool,
+    t_offer: float,
+) -> Request:
+    """HANDOFF of the lease ``owner`` holds to ``successor``, the head of our line
+    (``behind``: the waiter after it, whose token our registration may offer;
+    ``listening``: our client reads its grants, else it offers no token; ``t_offer``: the
+    loop time the successor's lease counts from)."""
+    keys = [
+        options.key,
+        options.fence_key,
+        options.void_key(successor.token),
+        options.waiting_key,
+        options.void_key("" if behind is None else behind.token),
+    ]
+    args: list[Arg] = [
+        owner,
+        successor.token,
+        successor.ttl_ms,
+        successor.fence_ttl_ms,
+        options.channel,
+        origin,
+        "keep" if behind is not None else "drop",
+        register_ms(successor.ttl_ms),
+        HANDOFF_PATIENCE_MS,
+        repr(t_offer),
+        "" if behind is None or not listening else behind.token,
+        0 if behind is None else behind.ttl_ms,
+        GRANT_FRESH_MS,
+        "1" if listening else "",
+    ]
+    return Request(HANDOFF, keys, args)
+
+
+def read_handoff(reply: object) -> tuple[Handoff, int]:
+    """HANDOFF's reply: what it did, and the fencing token it minted (or found)."""
+    status, fence = (int(x) for x in cast(list[int], reply))
+    return Handoff(status), fence
 
 
 async def unregister(companion: Companion, options: LeaseOptions) -> None:

@@ -34,6 +34,7 @@ from .._base._options import LeaseOptions
 from .._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE
 from .._session._wakeup import WaitingRoom
 from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, until_expiry
+from ._hold import Hold, of_permit
 
 __all__ = ["Permits"]
 
@@ -79,8 +80,8 @@ class Permits(Kind):
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)
 
-    def holding(self, token: str, grant: Granted) -> LeaseOptions:
-        return self._options.permit(grant.slot)
+    def holding(self, token: str, grant: Granted) -> Hold:
+        return of_permit(self._options, grant.slot)
 
     def undo(self, token: str, origin: str) -> Request:
         options = self._options

@@ -26,6 +26,7 @@ from .._base._options import LeaseOptions
 from .._redis._scripts import SHARED_ABANDON, SHARED_ACQUIRE
 from .._session._wakeup import WaitingRoom
 from ._engine import Busy, Crowd, Granted, Kind, Refused, Request, Turn, until_expiry
+from ._hold import Hold, of_reader
 
 __all__ = ["Shared"]
 
@@ -66,8 +67,8 @@ class Shared(Kind):
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)
 
-    def holding(self, token: str, grant: Granted) -> LeaseOptions:
-        return self._options.for_reader(token)  # (a key of its own)
+    def holding(self, token: str, grant: Granted) -> Hold:
+        return of_reader(self._options, token)  # (a key of its own)
 
     def undo(self, token: str, origin: str) -> Request:
         options = self._options

@@ -30,16 +30,10 @@ from redis.exceptions import AskError, MovedError
 
 from .._base._events import EventHook, LeaseEventKind, hooks, report
 from .._base._exceptions import LockLost, LossReason
-from .._base._options import LeaseOptions
 from .._base._shield import cancel_dropped, cancelling
+from .._kinds._hold import Hold
 from .._redis._cluster import cluster_of, node_at
 from .._redis._scripts import (
-    PERMIT_RENEW,
-    PERMIT_RENEW_HEAD,
-    RENEW,
-    RENEW_HEAD,
-    SHARED_RENEW,
-    SHARED_RENEW_HEAD,
     Arg,
     Script,
     run_idempotent,
@@ -97,6 +91,7 @@ class Lease:
         "_companion",
         "_due",
         "_guards",
+        "_hold",
         "_hook",
         "_keep_until",
         "_last_send",
@@ -114,7 +109,7 @@ class Lease:
 
     def __init__(
         self,
-        options: LeaseOptions,
+        hold: Hold,
         companion: Companion,
         token: str,
         fencing_token: int,
@@ -122,7 +117,9 @@ class Lease:
         hook: EventHook | None,
         suffix: str = "",
     ) -> None:
+        options = hold.options
         self._options = options
+        self._hold = hold  # (its keys and scripts: the lease never branches on its kind)
         self._companion = companion
         self._hook = hook
         self.fencing_token: Final = fencing_token
@@ -135,8 +132,8 @@ class Lease:
         self._acquired_at = t_send  # (for the hold time events report)
         self._safe_until = options.safe_until(t_send)
         # With hold_at_least, the loop time before which a release keeps the key.
-        hold = options.hold_at_least
-        self._keep_until = t_send + hold if hold else None
+        least = options.hold_at_least
+        self._keep_until = t_send + least if least else None
         self._state = LeaseState.HELD
         self._lost_reason: LossReason | None = None
         self._lost_cause: BaseException | None = None
@@ -384,8 +381,7 @@ class Lease:
         """The key's value while we own it: ``<token>:<fencing token>``."""
         value = self._value
         if isinstance(value, bytes):  # (packed by _renew_tail: after the keys)
-            keys = 3 if self._options.shared else 2 if self._options.slot >= 0 else 1
-            return unpack_arg(value, keys).decode("ascii")
+            return unpack_arg(value, len(self._hold.keys)).decode("ascii")
         return value
 
     def _loss_error(self) -> LockLost:
@@ -538,13 +534,8 @@ class Lease:
         """
         t_send = self._companion.loop.time()
         async with asyncio.timeout(limit):
-            options = self._options
-            keys = [self.key]
-            if options.shared:
-                keys += (options.base_key, options.readers_key)
-            elif options.slot >= 0:  # (a permit: and its slot in the semaphore's index)
-                keys.append(options.permits_key)
-            args: list[Arg] = [self._owner(), options.ttl_ms]
+            keys = self._hold.keys
+            args: list[Arg] = [self._owner(), self._options.ttl_ms]
             try:
                 client = self._companion.renewer()
                 reply = await self._renew_script(client, keys, args, asking=self._asking)
@@ -580,43 +571,27 @@ class Lease:
             self._event(LeaseEventKind.RENEWED, latency=now - t_send, slack=before - now)
         return True
 
-    # The kind of lock's renewal. (The watchdog renews any lease through these three;
-    # see docs/architecture.md, the seam a kind implements.) A lease of a mutex and of a
-    # fair lock renews its own key with RENEW; a semaphore's permit its key and its slot
-    # in the index with PERMIT_RENEW; a shared lease its key and the lock's shared marker
-    # with SHARED_RENEW.
+    # The renewal. (The watchdog renews any lease through these three; see
+    # docs/architecture.md, the seam a kind implements: the kind's ``Hold`` says which
+    # keys and which script.)
 
     @property
     def _renew_script(self) -> Script:
-        if self._options.slot >= 0:
-            return PERMIT_RENEW
-        return SHARED_RENEW if self._options.shared else RENEW
+        return self._hold.renew
 
     @property
     def _renew_head(self) -> bytes:
-        if self._options.slot >= 0:
-            return PERMIT_RENEW_HEAD
-        return SHARED_RENEW_HEAD if self._options.shared else RENEW_HEAD
+        return self._hold.renew_head
 
     def _renew_tail(self) -> bytes:
         """The keys and arguments of this lease's renew call in RESP (they never change):
-        key, value, ttl in ms; a shared lease's: its key, the lock's key, the readers'
-        set, value, ttl. Packed at the first renewal; from then on they are the only copy
-        of the value (see ``_owner``), which keeps a held lease small."""
+        its hold's keys, its value, its ttl in ms. Packed at the first renewal; from then
+        on they are the only copy of the value (see ``_owner``), which keeps a held lease
+        small."""
         value = self._value
         if isinstance(value, bytes):
             return value
-        options = self._options
-        if options.shared:
-            packed = self._companion.pack_args(
-                options.key, options.base_key, options.readers_key, value, options.ttl_ms
-            )
-        elif options.slot >= 0:
-            packed = self._companion.pack_args(
-                options.key, options.permits_key, value, options.ttl_ms
-            )
-        else:
-            packed = self._companion.pack_args(options.key, value, options.ttl_ms)
+        packed = self._companion.pack_args(*self._hold.keys, value, self._options.ttl_ms)
         self._value = packed
         return packed
 

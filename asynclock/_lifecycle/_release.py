@@ -23,16 +23,12 @@ from .._base._events import LeaseEventKind
 from .._base._exceptions import LossReason
 from .._base._options import LeaseOptions
 from .._base._shield import finish, finish_idempotent
-from .._kinds._mutex import GRANT_FRESH_MS, HANDOFF_PATIENCE_MS, register_ms, unregister
+from .._kinds._hold import Hold
+from .._kinds._mutex import Handoff, handoff_call, read_handoff, unregister
 from .._redis._scripts import (
-    HANDOFF,
-    PERMIT_RELEASE,
-    RELEASE,
-    SHARED_RELEASE,
     STORE,
     UNKNOWN_OUTCOME,
     Arg,
-    Script,
 )
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
@@ -60,6 +56,8 @@ class Held(Protocol):
     def _companion(self) -> Companion: ...
     @property
     def _options(self) -> LeaseOptions: ...
+    @property
+    def _hold(self) -> Hold: ...  # its keys and scripts (see _kinds._hold)
     @property
     def _keep_until(self) -> float | None: ...  # hold_at_least: keep the key until then
     @property
@@ -99,13 +97,9 @@ async def release(held: Held, *, shielded: bool) -> Wake:
     # The next waiter in this client's line, if any, is handed the key directly.
     successor = room.head(channel)
     if successor is not None and (
-        successor.offered
-        or successor.grant is not None
-        or held._options.limit > 1
-        or held._options.fair
-        or held._options.shared
+        successor.offered or successor.grant is not None or not held._hold.hands_over
     ):
-        successor = None  # (only a mutex's lease is handed over: see _permits, _fair)
+        successor = None  # (only a plain lock's lease is handed over: see _kinds._hold)
     t_offer = held._companion.loop.time()
     keep_ms = 0  # (hold_at_least: the key is kept this long rather than deleted)
     keep_until = held._keep_until
@@ -260,46 +254,24 @@ async def _send_release(
     asking = held._asking
     options = held._options
     room = companion.room
-    script: Script
-    if successor is None and options.shared:
-        script = SHARED_RELEASE
-        keys = [options.key, options.base_key, options.readers_key]
+    hold = held._hold
+    if successor is None:
+        script = hold.release
+        keys = list(hold.keys)
         args: list[Arg] = [held._owner(), options.channel, room.origin]
-    elif successor is None:
-        script = RELEASE
-        keys = [options.key]
-        if options.slot >= 0:  # (a permit: its slot in the semaphore's index too)
-            script = PERMIT_RELEASE
-            keys.append(options.permits_key)
-        args = [held._owner(), options.channel, room.origin]
         if keep_ms:
             args.append(keep_ms)
     else:
-        script = HANDOFF
-        listening = room.listening(options.channel)  # (else our line offers no token)
-        keys = [
-            options.key,
-            options.fence_key,
-            options.void_key(successor.token),
-            options.waiting_key,
-            options.void_key("" if behind is None else behind.token),
-        ]
-        args = [
+        request = handoff_call(
+            options,
             held._owner(),
-            successor.token,
-            successor.ttl_ms,
-            successor.fence_ttl_ms,
-            options.channel,
+            successor,
+            behind,
             room.origin,
-            "keep" if behind is not None else "drop",
-            register_ms(successor.ttl_ms),
-            HANDOFF_PATIENCE_MS,
-            repr(t_offer),
-            "" if behind is None or not listening else behind.token,
-            0 if behind is None else behind.ttl_ms,
-            GRANT_FRESH_MS,
-            "1" if listening else "",
-        ]
+            room.listening(options.channel),
+            t_offer,
+        )
+        script, keys, args = request.script, list(request.keys), request.args
     try:
         reply = await script(companion.lane, keys, args, deadline, asking=asking)
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
@@ -320,28 +292,28 @@ async def _send_release(
     if successor is None:
         if reply == 1:
             return _Outcome.RELEASED
-    else:
-        status, fence = (int(x) for x in reply)  # type: ignore[attr-defined]
-        if status == 3 and first:
-            # The next holder took the key by an attempt of its own: ours was gone before
-            # the release (its own reply tells it so; it is only woken here).
-            successor.event.set()
-            return _Outcome.NOT_OURS if _proves_loss(held, first) else None
-        if status in (1, 3):  # (3 on a retry: our first run's handoff had landed)
-            successor.grant = (fence, t_offer)  # the script set or renewed its expiry
-            successor.event.set()
-            room.set_registered(options.channel, args[6] == "keep")
-            return _Outcome.HANDED
-        successor.offered = False  # a definitive answer: the key was not handed over
-        if status == 5:  # granted to another client's waiter
-            room.set_registered(options.channel, True)
-            return _Outcome.GRANTED
-        if status == 2:
-            room.set_registered(options.channel, True)
-            return _Outcome.CONTESTED
-        if status == 4:  # the next holder gave up; released as RELEASE does
-            room.set_registered(options.channel, args[6] == "keep")
-            return _Outcome.RELEASED
+        return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+    answer, fence = read_handoff(reply)
+    if answer is Handoff.ALREADY and first:
+        # The next holder took the key by an attempt of its own: ours was gone before the
+        # release (its own reply tells it so; it is only woken here).
+        successor.event.set()
+        return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+    if answer in (Handoff.HANDED, Handoff.ALREADY):  # (ALREADY on a retry: ours landed)
+        successor.grant = (fence, t_offer)  # the script set or renewed its expiry
+        successor.event.set()
+        room.set_registered(options.channel, behind is not None)
+        return _Outcome.HANDED
+    successor.offered = False  # a definitive answer: the key was not handed over
+    if answer is Handoff.GRANTED:  # to another client's waiter
+        room.set_registered(options.channel, True)
+        return _Outcome.GRANTED
+    if answer is Handoff.CONTESTED:
+        room.set_registered(options.channel, True)
+        return _Outcome.CONTESTED
+    if answer is Handoff.RELEASED:  # the next holder gave up; released as RELEASE does
+        room.set_registered(options.channel, behind is not None)
+        return _Outcome.RELEASED
     return _Outcome.NOT_OURS if _proves_loss(held, first) else None
 
 

@@ -175,10 +175,10 @@ async def _take(
     except BaseException:
         await unretain(companion)
         raise
-    held = kind.holding(token, grant)
+    hold = kind.holding(token, grant)
     # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
     suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
-    return Lease(held, companion, token, grant.fencing_token, grant.t_send, hook, suffix)
+    return Lease(hold, companion, token, grant.fencing_token, grant.t_send, hook, suffix)
 
 
 def _kind(options: LeaseOptions, companion: Companion, job: Job | None) -> Kind:
