@@ -641,15 +641,15 @@ SEMAPHORE_ACQUIRE = Script(
 -- of ours), {0, pttl in ms of the permit that expires first} when all are held, {-1, 0}
 -- when this attempt was abandoned, {-2, the limit they are held with} for another limit,
 -- {-3, 0} when the lock is held as a plain lock (limit 1)
-local attempt = redis.call('GET', KEYS[3])
+local found = redis.call('MGET', KEYS[3], KEYS[1], KEYS[4])  -- (one read for three)
+local attempt, held_with = found[1], found[2]
 if attempt == '1' then
   return {-1, 0}
 end
-local held_with = redis.call('GET', KEYS[1])
 if held_with and held_with ~= ARGV[4] then
   return {-2, held_with}
 end
-if redis.call('EXISTS', KEYS[4]) == 1 then
+if found[3] then  -- (a plain lock's key holds a string, as a shared lease's marker does)
   return {-3, 0}
 end
 """
