@@ -16,16 +16,27 @@ from asynclock._apps._exclusive import LeaseKeywords
 
 
 def test_lease_keywords_are_lease_s() -> None:
-    """The TypedDict spells lease()'s keyword arguments (but blocking), with their types."""
-    parameters = inspect.signature(asynclock.lease).parameters
-    keyword_only = {
-        name: p for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-    assert set(LeaseKeywords.__annotations__) == set(keyword_only) - {"blocking"}
-    lease_hints = typing.get_type_hints(asynclock.lease)
+    """The decorators' keywords are lease()'s (but blocking), with their types: one
+    TypedDict that lease() and acquire() take too, and whose names are the options the
+    run-time check knows (with their defaults), plus on_event."""
+    from asynclock._base._options import KEYWORDS
+    from asynclock._lifecycle._context import LeaseKeywords as LeaseOwn
+
+    assert set(LeaseKeywords.__annotations__) == set(LeaseOwn.__annotations__) - {"blocking"}
+    assert set(LeaseOwn.__annotations__) == set(KEYWORDS) | {"on_event"}
+    own_hints = typing.get_type_hints(LeaseOwn)
     for name, annotation in typing.get_type_hints(LeaseKeywords).items():
-        assert annotation == lease_hints[name], name
+        assert annotation == own_hints[name], name
     assert not LeaseKeywords.__required_keys__
+    assert not LeaseOwn.__required_keys__
+    options = inspect.signature(asynclock.lease).parameters["options"]
+    assert options.kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_an_unknown_keyword_is_refused_before_any_io() -> None:
+    client = Redis(host="127.0.0.1", port=1)  # (nothing listens: any I/O would fail)
+    with pytest.raises(TypeError, match="'tll'"):
+        asynclock.lease(client, "x", tll=5)  # type: ignore[call-arg]
 
 
 async def test_one_call_at_a_time_per_key(client: Redis, prefix: str) -> None:

@@ -74,7 +74,9 @@ async def every(
     """
     ticks = _ticks(period, offset, cron)
     lease_ttl = _DEFAULT_TTL if ttl is None else _positive("ttl", ttl)
-    LeaseOptions.cached(redis, name, lease_ttl, False, None, 2.0, prefix)  # (checked now)
+    LeaseOptions.cached(
+        redis, name, {"ttl": lease_ttl, "blocking": False, "prefix": prefix}
+    )  # (checked now)
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     while True:

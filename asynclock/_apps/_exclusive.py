@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from datetime import timedelta
-from typing import Any, Literal, ParamSpec, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Literal, ParamSpec, TypeVar, Unpack, overload
 
-from .._base._events import EventHook
 from .._base._exceptions import LockBusy
 from .._base._options import Client
-from .._lifecycle._context import lease
+from .._lifecycle._context import HoldKeywords, lease
 from ._template import ClientSource, checked_source, key_maker, resolver
 
 __all__ = ["Busy", "LeaseKeywords", "exclusive"]
@@ -35,23 +33,8 @@ applies), skip (return ``None`` without running), raise ``LockBusy``."""
 _BUSY: tuple[Busy, ...] = ("wait", "skip", "raise")
 
 
-class LeaseKeywords(TypedDict, total=False):
-    """The keyword arguments of :func:`asynclock.lease` but ``blocking`` (``busy``
-    says it): their meaning, units and defaults are ``lease()``'s."""
-
-    ttl: float | timedelta
-    blocking_timeout: float | timedelta | None
-    release_timeout: float | timedelta
-    prefix: str
-    on_event: EventHook | None
-    fence_ttl: float | timedelta | None
-    hold_at_least: float | timedelta | None
-    max_hold: float | timedelta | None
-    limit: int
-    fair: bool
-    shared: bool
-    min_replicas: int
-    wait_aof: bool
+LeaseKeywords = HoldKeywords
+"""``lease()``'s keyword arguments but ``blocking`` (``busy`` says it)."""
 
 
 @overload

@@ -91,7 +91,7 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
     client raises when Redis cannot be reached.
     """
     stats = await statistics(redis, name, prefix=prefix)
-    options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
+    options = LeaseOptions.cached(redis, name, {"prefix": prefix})
     node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
     limit = stats.limit or 0
     base = options.base_key
@@ -247,7 +247,7 @@ async def force_release(
     check and the deletion are one step in Redis.
     """
     info = await statistics(redis, name, prefix=prefix)
-    options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
+    options = LeaseOptions.cached(redis, name, {"prefix": prefix})
     node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
     keys = [options.key, options.readers_key]
     keys += _permits(options, info.limit or 0)

@@ -186,7 +186,9 @@ async def _run_once(
     serializer: Serializer | None,
 ) -> T:
     """``once()`` for a key already made (never read as a template)."""
-    options = LeaseOptions.cached(redis, key, ttl, True, blocking_timeout, 2.0, prefix)
+    options = LeaseOptions.cached(
+        redis, key, {"ttl": ttl, "blocking_timeout": blocking_timeout, "prefix": prefix}
+    )
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     result_ms = _result_ttl_ms(result_ttl)
@@ -264,7 +266,9 @@ def idempotent(
     if fingerprint is not None and not callable(fingerprint):
         raise TypeError(f"fingerprint must be a callable or None, not {fingerprint!r}")
     checked = checked_source(redis)
-    LeaseOptions.cached(checked, "idempotent", ttl, True, blocking_timeout, 2.0, prefix)
+    LeaseOptions.cached(
+        checked, "idempotent", {"ttl": ttl, "blocking_timeout": blocking_timeout, "prefix": prefix}
+    )
     _result_ttl_ms(result_ttl)
     _codec(serializer)
 
@@ -303,7 +307,7 @@ async def forget(redis: Client, key: str, *, prefix: str = "asynclock:") -> bool
     the job again (reprocessing on purpose). Returns whether there was one. A job that is
     running is not stopped: it stores its result when it ends.
     """
-    options = LeaseOptions.cached(redis, key, 10.0, True, None, 2.0, prefix)
+    options = LeaseOptions.cached(redis, key, {"prefix": prefix})
     return bool(await redis.delete(options.key + _RESULT_SUFFIX))
 
 

@@ -51,7 +51,7 @@ async def statistics(redis: Client, name: str, *, prefix: str = "asynclock:") ->
     Raises ``TypeError``/``ValueError`` for bad arguments before any I/O, and what the
     client raises when Redis cannot be reached.
     """
-    options = LeaseOptions.cached(redis, name, 10.0, True, None, 2.0, prefix)
+    options = LeaseOptions.cached(redis, name, {"prefix": prefix})
     base = options.base_key
     keys = [
         base,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Final
+from pathlib import Path
+from typing import Any, Final
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -138,9 +140,24 @@ def _duration(argument: str, value: object) -> float:
             f"(did you mean {argument}={result / 1000:g}, milliseconds given as seconds?); "
             "pass a timedelta to say it is meant",
             UserWarning,
-            stacklevel=5,
+            stacklevel=_caller_level(),
         )
     return result
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent)  # (asynclock/)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning about the caller's arguments: that of the first
+    frame outside asynclock (the call of ``lease()``, ``once()``, ...), however deep
+    inside the package the check runs."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def _optional_timeout(argument: str, value: object) -> float | None:
@@ -315,174 +332,184 @@ class LeaseOptions:
         return t_send + self.ttl - drift_for(self.ttl)
 
     @classmethod
-    def cached(
-        cls,
-        redis: object,
-        name: object,
-        ttl: object,
-        blocking: object,
-        blocking_timeout: object,
-        release_timeout: object,
-        prefix: object,
-        fence_ttl: object = None,
-        hold_at_least: object = None,
-        max_hold: object = None,
-        limit: object = 1,
-        fair: object = False,
-        shared: object = False,
-        min_replicas: object = 0,
-        wait_aof: object = False,
-        /,
-    ) -> LeaseOptions:
-        """The options of ``lease(redis, name, ...)``: every argument checked, or
-        ``TypeError``/``ValueError`` naming the first bad one. Options built from equal
-        arguments are reused: code that takes the same lock again and again validates its
-        arguments once. The arguments' types are part of that comparison (``ttl=True``
-        must not pass for ``ttl=1``)."""
+    def cached(cls, redis: object, name: object, given: Mapping[str, object]) -> LeaseOptions:
+        """The options of ``lease(redis, name, **given)``: every argument checked, or
+        ``TypeError``/``ValueError`` naming the first bad one (an unknown keyword too);
+        those ``given`` leaves out take their defaults (``KEYWORDS``). Options built from
+        equal arguments are reused: code that takes the same lock again and again
+        validates its arguments once. The arguments' types are part of that comparison
+        (``ttl=True`` must not pass for ``ttl=1``)."""
         key: tuple[object, ...] | None = None
         if type(redis) in _CLIENT_TYPES:
-            # (built in one expression: this runs at every lease())
-            key = (
-                name,
-                ttl,
-                blocking,
-                blocking_timeout,
-                release_timeout,
-                prefix,
-                fence_ttl,
-                hold_at_least,
-                max_hold,
-                limit,
-                fair,
-                shared,
-                min_replicas,
-                wait_aof,
-                type(name),
-                type(ttl),
-                type(blocking),
-                type(blocking_timeout),
-                type(release_timeout),
-                type(prefix),
-                type(fence_ttl),
-                type(hold_at_least),
-                type(max_hold),
-                type(limit),
-                type(fair),
-                type(shared),
-                type(min_replicas),
-                type(wait_aof),
-            )
+            # (this runs at every lease(): a tuple of what was given, types included)
+            key = (name, type(name), *[(k, v, type(v)) for k, v in given.items()])
             try:
                 return _BUILT[key]
             except KeyError:
                 pass
             except TypeError:  # an unhashable argument: built (and reported) uncached
                 key = None
-        elif _valkey_cluster(redis):
-            raise TypeError(
-                "redis: a valkey.asyncio.ValkeyCluster client is not supported yet; use a "
-                "redis.asyncio.cluster.RedisCluster client of the Valkey cluster (the same "
-                "protocol), or valkey.asyncio.Valkey for one server"
-            )
-        elif not isinstance(redis, Redis | RedisCluster) and not _valkey_client(redis):
-            raise TypeError(
-                "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
-                "asyncio API) or a valkey.asyncio.Valkey client, not "
-                f"{type(redis).__module__}.{type(redis).__qualname__}"
-            )
         else:
+            _check_client(redis)
             _CLIENT_TYPES.add(type(redis))
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, not {type(name).__name__}")
-        if not name:
-            raise ValueError("name must not be empty")
-        if name.startswith("}"):
-            raise ValueError(
-                f"name must not start with '}}', got {name!r}: a lock's keys share the hash "
-                "tag {name}, and a tag that closes at once is empty, which would spread "
-                "them over Redis Cluster slots"
-            )
-        ttl_s = _duration("ttl", ttl)
-        fence_s = 0.0
-        if fence_ttl is not None:
-            fence_s = _duration("fence_ttl", fence_ttl)
-            if fence_s < ttl_s:
-                raise ValueError(
-                    f"fence_ttl must be at least ttl ({ttl_s:g}s): the fencing counter must "
-                    f"outlive the lease, got {fence_ttl!r}"
-                )
-        if not isinstance(blocking, bool):
-            raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
-        wait = _optional_timeout("blocking_timeout", blocking_timeout)
-        if wait is not None and not blocking:
-            raise ValueError("blocking_timeout can only be given with blocking=True")
-        release = _positive("release_timeout", release_timeout)
-        hold = 0.0
-        if hold_at_least is not None:
-            hold = _positive("hold_at_least", hold_at_least)
-            if hold > MAX_TTL:
-                raise ValueError(
-                    f"hold_at_least must be at most {MAX_TTL:.0f}s, got {hold_at_least!r}"
-                )
-        most = 0.0
-        if max_hold is not None:
-            most = _positive("max_hold", max_hold)
-            if most > MAX_TTL:
-                raise ValueError(f"max_hold must be at most {MAX_TTL:.0f}s, got {max_hold!r}")
-            if most < hold:
-                raise ValueError(
-                    f"max_hold ({most:g}s) must not be shorter than hold_at_least ({hold:g}s)"
-                )
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise TypeError(f"limit must be an int, not {type(limit).__name__}")
-        if not 1 <= limit <= MAX_LIMIT:
-            raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit!r}")
-        if not isinstance(fair, bool):
-            raise TypeError(f"fair must be a bool, not {type(fair).__name__}")
-        if fair and limit > 1:
-            raise ValueError("fair=True is for a plain lock: it cannot be given with limit")
-        if not isinstance(shared, bool):
-            raise TypeError(f"shared must be a bool, not {type(shared).__name__}")
-        if shared and (limit > 1 or fair or hold):
-            raise ValueError(
-                "shared=True cannot be given with limit, fair or hold_at_least (a shared "
-                "lease is one of many readers of a plain lock)"
-            )
-        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int):
-            raise TypeError(f"min_replicas must be an int, not {type(min_replicas).__name__}")
-        if not 0 <= min_replicas <= MAX_REPLICAS:
-            raise ValueError(
-                f"min_replicas must be between 0 and {MAX_REPLICAS}, got {min_replicas!r}"
-            )
-        if not isinstance(wait_aof, bool):
-            raise TypeError(f"wait_aof must be a bool, not {type(wait_aof).__name__}")
-        if wait_aof and not min_replicas:
-            raise ValueError("wait_aof=True needs min_replicas (the replicas that must confirm)")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
-        if "{" in prefix or "}" in prefix:
-            raise ValueError("prefix must not contain '{' or '}' (the name is the hash tag)")
-        options = cls(
-            name=name,
-            ttl=ttl_s,
-            blocking=blocking,
-            blocking_timeout=wait,
-            release_timeout=release,
-            prefix=prefix,
-            fence_ttl=fence_s,
-            hold_at_least=hold,
-            max_hold=most,
-            limit=limit,
-            fair=fair,
-            shared=shared,
-            min_replicas=min_replicas,
-            wait_aof=wait_aof,
-        )
+        unknown = given.keys() - KEYWORDS.keys()
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
+        options = cls(name=_check_name(name), **_checked({**KEYWORDS, **given}))
         if key is not None:
             if len(_BUILT) >= _BUILT_MAX:
                 _BUILT.clear()
             _BUILT[key] = options
         return options
+
+
+KEYWORDS: Final[Mapping[str, object]] = {
+    "ttl": 10.0,
+    "blocking": True,
+    "blocking_timeout": None,
+    "release_timeout": 2.0,
+    "prefix": "asynclock:",
+    "fence_ttl": None,
+    "hold_at_least": None,
+    "max_hold": None,
+    "limit": 1,
+    "fair": False,
+    "shared": False,
+    "min_replicas": 0,
+    "wait_aof": False,
+}
+"""The options of a lease (``lease()``'s keyword arguments but ``on_event``, which is not
+the lease's but its caller's), with their defaults: their one definition."""
+
+
+def _check_client(redis: object) -> None:
+    """A redis-py (or valkey-py) asyncio client of one server, or a redis-py cluster."""
+    if _valkey_cluster(redis):
+        raise TypeError(
+            "redis: a valkey.asyncio.ValkeyCluster client is not supported yet; use a "
+            "redis.asyncio.cluster.RedisCluster client of the Valkey cluster (the same "
+            "protocol), or valkey.asyncio.Valkey for one server"
+        )
+    if not isinstance(redis, Redis | RedisCluster) and not _valkey_client(redis):
+        raise TypeError(
+            "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
+            "asyncio API) or a valkey.asyncio.Valkey client, not "
+            f"{type(redis).__module__}.{type(redis).__qualname__}"
+        )
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("name must not be empty")
+    if name.startswith("}"):
+        raise ValueError(
+            f"name must not start with '}}', got {name!r}: a lock's keys share the hash "
+            "tag {name}, and a tag that closes at once is empty, which would spread "
+            "them over Redis Cluster slots"
+        )
+    return name
+
+
+def _checked(given: Mapping[str, object]) -> dict[str, Any]:
+    """Every option of ``given`` (all of ``KEYWORDS``) checked and converted (seconds as
+    floats, 0 for an option not given), and every rule about combining them: the one
+    place they are written."""
+    values: dict[str, Any] = {}
+    values.update(_times(given))
+    values.update(_kind(given, values["hold_at_least"]))
+    prefix = given["prefix"]
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+    if "{" in prefix or "}" in prefix:
+        raise ValueError("prefix must not contain '{' or '}' (the name is the hash tag)")
+    values["prefix"] = prefix
+    return values
+
+
+def _times(given: Mapping[str, object]) -> dict[str, Any]:
+    """The timing options: ttl, fence_ttl, blocking (with blocking_timeout),
+    release_timeout, hold_at_least and max_hold."""
+    ttl = _duration("ttl", given["ttl"])
+    fence = 0.0
+    if given["fence_ttl"] is not None:
+        fence = _duration("fence_ttl", given["fence_ttl"])
+        if fence < ttl:
+            raise ValueError(
+                f"fence_ttl must be at least ttl ({ttl:g}s): the fencing counter must "
+                f"outlive the lease, got {given['fence_ttl']!r}"
+            )
+    blocking = given["blocking"]
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+    wait = _optional_timeout("blocking_timeout", given["blocking_timeout"])
+    if wait is not None and not blocking:
+        raise ValueError("blocking_timeout can only be given with blocking=True")
+    release = _positive("release_timeout", given["release_timeout"])
+    hold = _longest("hold_at_least", given["hold_at_least"])
+    most = _longest("max_hold", given["max_hold"])
+    if most and most < hold:
+        raise ValueError(f"max_hold ({most:g}s) must not be shorter than hold_at_least ({hold:g}s)")
+    return {
+        "ttl": ttl,
+        "fence_ttl": fence,
+        "blocking": blocking,
+        "blocking_timeout": wait,
+        "release_timeout": release,
+        "hold_at_least": hold,
+        "max_hold": most,
+    }
+
+
+def _longest(argument: str, value: object) -> float:
+    """An optional positive duration of at most ``MAX_TTL`` (0.0: not given)."""
+    if value is None:
+        return 0.0
+    seconds = _positive(argument, value)
+    if seconds > MAX_TTL:
+        raise ValueError(f"{argument} must be at most {MAX_TTL:.0f}s, got {value!r}")
+    return seconds
+
+
+def _kind(given: Mapping[str, object], hold: float) -> dict[str, Any]:
+    """The kind of lock (limit, fair, shared) and its replication (min_replicas,
+    wait_aof), with the rules of their combinations."""
+    limit = _integer("limit", given["limit"], 1, MAX_LIMIT)
+    fair = _flag("fair", given["fair"])
+    if fair and limit > 1:
+        raise ValueError("fair=True is for a plain lock: it cannot be given with limit")
+    shared = _flag("shared", given["shared"])
+    if shared and (limit > 1 or fair or hold):
+        raise ValueError(
+            "shared=True cannot be given with limit, fair or hold_at_least (a shared "
+            "lease is one of many readers of a plain lock)"
+        )
+    replicas = _integer("min_replicas", given["min_replicas"], 0, MAX_REPLICAS)
+    wait_aof = _flag("wait_aof", given["wait_aof"])
+    if wait_aof and not replicas:
+        raise ValueError("wait_aof=True needs min_replicas (the replicas that must confirm)")
+    return {
+        "limit": limit,
+        "fair": fair,
+        "shared": shared,
+        "min_replicas": replicas,
+        "wait_aof": wait_aof,
+    }
+
+
+def _integer(argument: str, value: object, least: int, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{argument} must be an int, not {type(value).__name__}")
+    if not least <= value <= most:
+        raise ValueError(f"{argument} must be between {least} and {most}, got {value!r}")
+    return value
+
+
+def _flag(argument: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be a bool, not {type(value).__name__}")
+    return value
 
 
 def replicas_confirmed(reply: object) -> int:

@@ -1,9 +1,11 @@
 """The two ways in: ``async with lease(...)`` (a guarded block) and ``await acquire(...)``
 (a lease held until ``release()``).
 
-Design note. Both take the lock the same way (``take``: one ``Acquisition``, see
-``_acquire``) and build the ``Lease`` and schedule its watchdog with no await in between,
-so a cancellation cannot fall between the grant and the lease that owns it. The block
+Design note. Both take the lock the same way (``_take.begin``: the acquisition engine of
+``_kinds``) and build the ``Lease`` and schedule its watchdog with no await in between,
+so a cancellation cannot fall between the grant and the lease that owns it. Their keyword
+arguments are defined once (``LeaseKeywords`` for the type checker, ``_options.KEYWORDS``
+with their defaults and checks at run time) and passed on as they were given. The block
 then enters a cancel scope around its body; its exit releases the lease inside that scope
 made a shield (cheaper than a scope of its own) unless the scope cancelled the body, in
 which case it is left first (it would cancel the release too).
@@ -11,10 +13,10 @@ which case it is left first (it would cancel the release too).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import cast, overload
+from typing import TypedDict, Unpack, cast, overload
 
 from redis.asyncio.cluster import RedisCluster
 
@@ -27,7 +29,7 @@ from ._release import Wake, after_release
 from ._release import release as release_lease
 from ._take import begin
 
-__all__ = ["LeaseContext", "acquire", "lease"]
+__all__ = ["HoldKeywords", "LeaseContext", "LeaseKeywords", "acquire", "lease"]
 
 
 class LeaseContext:
@@ -93,62 +95,20 @@ class LeaseContext:
 def lease(
     redis: Client,
     name: str,
-    *,
-    ttl: float | timedelta = ...,
-    blocking: bool = ...,
-    blocking_timeout: float | timedelta | None = ...,
-    release_timeout: float | timedelta = ...,
-    prefix: str = ...,
-    on_event: EventHook | None = ...,
-    fence_ttl: float | timedelta | None = ...,
-    hold_at_least: float | timedelta | None = ...,
-    max_hold: float | timedelta | None = ...,
-    limit: int = ...,
-    fair: bool = ...,
-    shared: bool = ...,
-    min_replicas: int = ...,
-    wait_aof: bool = ...,
+    **options: Unpack[LeaseKeywords],
 ) -> LeaseContext: ...
 @overload
 def lease(
     redis: Sequence[Client],
     name: str,
-    *,
-    ttl: float | timedelta = ...,
-    blocking: bool = ...,
-    blocking_timeout: float | timedelta | None = ...,
-    release_timeout: float | timedelta = ...,
-    prefix: str = ...,
-    on_event: EventHook | None = ...,
-    fence_ttl: float | timedelta | None = ...,
-    hold_at_least: float | timedelta | None = ...,
-    max_hold: float | timedelta | None = ...,
-    limit: int = ...,
-    fair: bool = ...,
-    shared: bool = ...,
-    min_replicas: int = ...,
-    wait_aof: bool = ...,
+    **options: Unpack[LeaseKeywords],
 ) -> RedlockContext: ...
 
 
 def lease(
     redis: Client | Sequence[Client],
     name: str,
-    *,
-    ttl: float | timedelta = 10.0,
-    blocking: bool = True,
-    blocking_timeout: float | timedelta | None = None,
-    release_timeout: float | timedelta = 2.0,
-    prefix: str = "asynclock:",
-    on_event: EventHook | None = None,
-    fence_ttl: float | timedelta | None = None,
-    hold_at_least: float | timedelta | None = None,
-    max_hold: float | timedelta | None = None,
-    limit: int = 1,
-    fair: bool = False,
-    shared: bool = False,
-    min_replicas: int = 0,
-    wait_aof: bool = False,
+    **options: Unpack[LeaseKeywords],
 ) -> LeaseContext | RedlockContext:
     """Hold the lock ``name`` for the duration of an ``async with`` block.
 
@@ -242,107 +202,31 @@ def lease(
 
     ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
     """
+    hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        servers = _redlock_options(
-            redis,
-            name,
-            ttl,
-            blocking,
-            blocking_timeout,
-            release_timeout,
-            prefix,
-            on_event,
-            fence_ttl,
-            hold_at_least,
-            max_hold,
-            limit,
-            fair,
-            shared,
-            min_replicas,
-            wait_aof,
-        )
-        return RedlockContext(redis, servers, on_event)
-    options = _options(
-        cast(Client, redis),  # (a client, or _options raises TypeError)
-        name,
-        ttl,
-        blocking,
-        blocking_timeout,
-        release_timeout,
-        prefix,
-        on_event,
-        fence_ttl,
-        hold_at_least,
-        max_hold,
-        limit,
-        fair,
-        shared,
-        min_replicas,
-        wait_aof,
-    )
-    return LeaseContext(cast(Client, redis), options, on_event)
+        return RedlockContext(redis, _redlock_options(redis, name, options), hook)
+    client = cast(Client, redis)  # (a client, or _options raises TypeError)
+    return LeaseContext(client, _options(client, name, options), hook)
 
 
 @overload
 async def acquire(
     redis: Client,
     name: str,
-    *,
-    ttl: float | timedelta = ...,
-    blocking: bool = ...,
-    blocking_timeout: float | timedelta | None = ...,
-    release_timeout: float | timedelta = ...,
-    prefix: str = ...,
-    on_event: EventHook | None = ...,
-    fence_ttl: float | timedelta | None = ...,
-    hold_at_least: float | timedelta | None = ...,
-    max_hold: float | timedelta | None = ...,
-    limit: int = ...,
-    fair: bool = ...,
-    shared: bool = ...,
-    min_replicas: int = ...,
-    wait_aof: bool = ...,
+    **options: Unpack[LeaseKeywords],
 ) -> Lease: ...
 @overload
 async def acquire(
     redis: Sequence[Client],
     name: str,
-    *,
-    ttl: float | timedelta = ...,
-    blocking: bool = ...,
-    blocking_timeout: float | timedelta | None = ...,
-    release_timeout: float | timedelta = ...,
-    prefix: str = ...,
-    on_event: EventHook | None = ...,
-    fence_ttl: float | timedelta | None = ...,
-    hold_at_least: float | timedelta | None = ...,
-    max_hold: float | timedelta | None = ...,
-    limit: int = ...,
-    fair: bool = ...,
-    shared: bool = ...,
-    min_replicas: int = ...,
-    wait_aof: bool = ...,
+    **options: Unpack[LeaseKeywords],
 ) -> RedlockLease: ...
 
 
 async def acquire(
     redis: Client | Sequence[Client],
     name: str,
-    *,
-    ttl: float | timedelta = 10.0,
-    blocking: bool = True,
-    blocking_timeout: float | timedelta | None = None,
-    release_timeout: float | timedelta = 2.0,
-    prefix: str = "asynclock:",
-    on_event: EventHook | None = None,
-    fence_ttl: float | timedelta | None = None,
-    hold_at_least: float | timedelta | None = None,
-    max_hold: float | timedelta | None = None,
-    limit: int = 1,
-    fair: bool = False,
-    shared: bool = False,
-    min_replicas: int = 0,
-    wait_aof: bool = False,
+    **options: Unpack[LeaseKeywords],
 ) -> Lease | RedlockLease:
     """Take the lock ``name`` and hold it, renewed by the watchdog, until
     ``await lease.release()``: no task of the caller's holds it.
@@ -358,105 +242,66 @@ async def acquire(
     :func:`lease`; ``TypeError``/``ValueError`` for bad arguments are raised before any
     I/O. A cancellation while acquiring leaves no key behind.
     """
+    hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        servers = _redlock_options(
-            redis,
-            name,
-            ttl,
-            blocking,
-            blocking_timeout,
-            release_timeout,
-            prefix,
-            on_event,
-            fence_ttl,
-            hold_at_least,
-            max_hold,
-            limit,
-            fair,
-            shared,
-            min_replicas,
-            wait_aof,
-        )
-        return await acquire_redlock(redis, servers, on_event)
-    options = _options(
-        cast(Client, redis),  # (a client, or _options raises TypeError)
-        name,
-        ttl,
-        blocking,
-        blocking_timeout,
-        release_timeout,
-        prefix,
-        on_event,
-        fence_ttl,
-        hold_at_least,
-        max_hold,
-        limit,
-        fair,
-        shared,
-        min_replicas,
-        wait_aof,
-    )
-    return await begin(cast(Client, redis), options, on_event)
+        return await acquire_redlock(redis, _redlock_options(redis, name, options), hook)
+    client = cast(Client, redis)  # (a client, or _options raises TypeError)
+    return await begin(client, _options(client, name, options), hook)
 
 
-def _options(
-    redis: Client,
-    name: str,
-    ttl: object,
-    blocking: bool,
-    blocking_timeout: object,
-    release_timeout: object,
-    prefix: str,
-    on_event: object,
-    fence_ttl: object,
-    hold_at_least: object,
-    max_hold: object = None,
-    limit: object = 1,
-    fair: object = False,
-    shared: object = False,
-    min_replicas: object = 0,
-    wait_aof: object = False,
-) -> LeaseOptions:
+class HoldKeywords(TypedDict, total=False):
+    """The keyword arguments of :func:`lease` and :func:`acquire` but ``blocking`` (the
+    decorators say it their own way): their one definition for the type checker. Their
+    meaning, units (seconds, or ``timedelta``) and defaults are ``lease()``'s."""
+
+    ttl: float | timedelta
+    blocking_timeout: float | timedelta | None
+    release_timeout: float | timedelta
+    prefix: str
+    on_event: EventHook | None
+    fence_ttl: float | timedelta | None
+    hold_at_least: float | timedelta | None
+    max_hold: float | timedelta | None
+    limit: int
+    fair: bool
+    shared: bool
+    min_replicas: int
+    wait_aof: bool
+
+
+class LeaseKeywords(HoldKeywords, total=False):
+    """The keyword arguments of :func:`lease` and :func:`acquire`."""
+
+    blocking: bool
+
+
+def _options(redis: Client, name: str, given: Mapping[str, object]) -> LeaseOptions:
     """The validated options of ``lease()`` and ``acquire()`` (``on_event`` is checked
-    here too), or ``TypeError``/``ValueError`` naming the bad argument, before any I/O."""
+    here: it is the caller's, not the lease's), or ``TypeError``/``ValueError`` naming
+    the bad argument, before any I/O."""
+    if "on_event" not in given:
+        return LeaseOptions.cached(redis, name, given)
+    settings = dict(given)
+    on_event = settings.pop("on_event")
     if on_event is not None and not callable(on_event):
         raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
-    return LeaseOptions.cached(
-        redis,
-        name,
-        ttl,
-        blocking,
-        blocking_timeout,
-        release_timeout,
-        prefix,
-        fence_ttl,
-        hold_at_least,
-        max_hold,
-        limit,
-        fair,
-        shared,
-        min_replicas,
-        wait_aof,
-    )
+    return LeaseOptions.cached(redis, name, settings)
+
+
+# Options a Redlock does not take, and the values that mean "not given".
+_NOT_REDLOCK: dict[str, object] = {
+    "hold_at_least": None,
+    "max_hold": None,
+    "limit": 1,
+    "fair": False,
+    "shared": False,
+    "min_replicas": 0,
+    "wait_aof": False,
+}
 
 
 def _redlock_options(
-    servers: Sequence[object],
-    name: str,
-    ttl: object,
-    blocking: bool,
-    blocking_timeout: object,
-    release_timeout: object,
-    prefix: str,
-    on_event: object,
-    fence_ttl: object,
-    hold_at_least: object,
-    max_hold: object,
-    limit: object,
-    fair: object,
-    shared: object,
-    min_replicas: object,
-    wait_aof: object,
+    servers: Sequence[object], name: str, given: Mapping[str, object]
 ) -> list[LeaseOptions]:
     """The options of a Redlock's servers (one attempt each), or ``TypeError`` /
     ``ValueError`` before any I/O: at least 3 distinct clients of single servers, and
@@ -470,30 +315,8 @@ def _redlock_options(
     for server in servers:
         if isinstance(server, RedisCluster):
             raise TypeError("redis: a Redlock's servers must be single servers, not clusters")
-    unsupported = {
-        "hold_at_least": hold_at_least is not None,
-        "max_hold": max_hold is not None,
-        "limit": limit != 1,
-        "fair": fair is not False,
-        "shared": shared is not False,
-        "min_replicas": min_replicas != 0,
-        "wait_aof": wait_aof is not False,
-    }
-    for option, given in unsupported.items():
-        if given:
+    for option, absent in _NOT_REDLOCK.items():
+        value = given.get(option, absent)
+        if value is not absent and value != absent:
             raise ValueError(f"{option} cannot be given with a list of servers (Redlock)")
-    return [
-        _options(
-            cast(Client, server),
-            name,
-            ttl,
-            blocking,
-            blocking_timeout,
-            release_timeout,
-            prefix,
-            on_event,
-            fence_ttl,
-            None,
-        ).for_redlock()
-        for server in servers
-    ]
+    return [_options(cast(Client, server), name, given).for_redlock() for server in servers]
