@@ -90,6 +90,7 @@ def test_public_names_are_pinned() -> None:
         "RedisServer",
         "ServerInfo",
         "ServerStartError",
+        "TLSFiles",
         "Value",
         "Violation",
         "available_engines",
