@@ -222,17 +222,21 @@ class Watchdog:
             timeline.push(due, [lease])
         timeline.rearm(now)
         if batch:
-            confirmed = [lease for lease in batch if lease._options.min_replicas]
-            if confirmed:
-                # (those waiting for replicas travel apart: WAIT holds its connection; and
-                # those waiting for append-only files apart again: WAITAOF counts fewer)
-                batch = [lease for lease in batch if not lease._options.min_replicas]
-                for aof in (False, True):
-                    group = [lease for lease in confirmed if lease._options.wait_aof is aof]
-                    if group:
-                        self._launch(group)
-            if batch:
-                self._launch(batch)
+            self._launch_split(batch)
+
+    def _launch_split(self, batch: list[Watched]) -> None:
+        """Send ``batch``: those waiting for replicas travel apart (WAIT holds its
+        connection), and those waiting for append-only files apart again (WAITAOF
+        counts fewer)."""
+        confirmed = [lease for lease in batch if lease._options.min_replicas]
+        if confirmed:
+            batch = [lease for lease in batch if not lease._options.min_replicas]
+            for aof in (False, True):
+                group = [lease for lease in confirmed if lease._options.wait_aof is aof]
+                if group:
+                    self._launch(group)
+        if batch:
+            self._launch(batch)
 
     def _launch(self, batch: list[Watched]) -> None:
         task = self._loop.create_task(self._renew(batch), name="asynclock-renewal")
@@ -252,11 +256,7 @@ class Watchdog:
             self._retry_all(batch, TimeoutError("renewal cancelled"))
             return
         except (RedisError, OSError, TimeoutError) as exc:
-            if is_refusal(exc):  # (SCRIPT LOAD refused, say)
-                for lease in batch:
-                    _refused(lease, exc)
-                return
-            self._retry_all(batch, exc)
+            self._failed_batch(batch, exc)
             return
         except BaseException as exc:  # a bug: never silence, never leave a lease unwatched
             for lease in batch:
@@ -269,35 +269,54 @@ class Watchdog:
             if not lease._active:
                 continue
             try:
-                if isinstance(reply, AskError) and lease._moved(reply):
-                    continue  # (MOVED too: its slot is elsewhere now, renewed there at once)
-                if isinstance(reply, BaseException):
-                    if is_refusal(reply):
-                        _refused(lease, reply)
-                    else:
-                        self._retry(lease, reply)
-                elif reply == 1 and confirmed.error is not None and is_refusal(confirmed.error):
-                    _refused(lease, confirmed.error)  # (WAIT refused)
-                elif reply == 1 and lease._options.min_replicas > confirmed.acked:
-                    # renewed on the primary, not confirmed by enough replicas: failed
-                    wanted, acked = lease._options.min_replicas, confirmed.acked
-                    short = ReplicationTimeout(lease.name, wanted, acked, confirmed.wait)
-                    short.__cause__ = confirmed.error  # (WAITAOF refused, say)
-                    self._retry(lease, short)
-                elif reply == 1:
+                if self._answered(lease, reply, confirmed):
                     ttl = lease.ttl
                     found = renewed.get(ttl)
                     if found is None:
                         found = renewed[ttl] = (lease._options.safe_until(t_send), [])
                     if lease._confirm(t_send, found[0]):
                         found[1].append(lease)
-                else:
-                    lease._found_not_ours()
             except Exception as exc:  # (an on_event hook is guarded; a log handler is not)
                 _failed(lease, exc)
         for ttl, (_, leases) in renewed.items():
             if leases:
                 self._schedule_group(leases, t_send + ttl / 3)
+
+    def _failed_batch(self, batch: list[Watched], exc: BaseException) -> None:
+        """The batch's exchange failed: refused by the server's ACL (SCRIPT LOAD, say),
+        which is a configuration error, or an unknown outcome to retry."""
+        if is_refusal(exc):
+            for lease in batch:
+                _refused(lease, exc)
+        else:
+            self._retry_all(batch, exc)
+
+    def _answered(self, lease: Watched, reply: object, confirmed: _Confirmed) -> bool:
+        """Act on one lease's renew reply; returns whether it renewed the lease (to be
+        confirmed by the caller): else the lease was told what happened (moved, refused,
+        to be retried, or not ours)."""
+        if isinstance(reply, AskError) and lease._moved(reply):
+            return False  # (MOVED too: its slot is elsewhere now, renewed there at once)
+        if isinstance(reply, BaseException):
+            if is_refusal(reply):
+                _refused(lease, reply)
+            else:
+                self._retry(lease, reply)
+            return False
+        if reply != 1:
+            lease._found_not_ours()
+            return False
+        if confirmed.error is not None and is_refusal(confirmed.error):
+            _refused(lease, confirmed.error)  # (WAIT refused)
+            return False
+        if lease._options.min_replicas > confirmed.acked:
+            # renewed on the primary, not confirmed by enough replicas: failed
+            wanted, acked = lease._options.min_replicas, confirmed.acked
+            short = ReplicationTimeout(lease.name, wanted, acked, confirmed.wait)
+            short.__cause__ = confirmed.error  # (WAITAOF refused, say)
+            self._retry(lease, short)
+            return False
+        return True
 
     def _schedule_group(self, leases: list[Watched], due: float) -> None:
         for lease in leases:
