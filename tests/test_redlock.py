@@ -261,3 +261,47 @@ async def test_a_blocking_redlock_keeps_its_timeout_and_does_not_wait_for_nothin
         for client in nowhere:
             await client.aclose()
     assert await _keys(first, prefix) == []
+
+
+async def test_a_redlock_answers_what_any_lease_answers(first: list[Redis], prefix: str) -> None:
+    """key (the same on every server), each server's token, extend() on every server,
+    and is_held(verify=True): one key taken away leaves the majority; a second loses
+    the lock, and verify says so (cancelling its guard)."""
+    lock = await asynclock.acquire(first, "job", ttl=3.0, prefix=prefix)
+    assert lock.key == f"{prefix}{{job}}"
+    assert len(lock.tokens) == 3
+    for client, token in zip(first, lock.tokens, strict=True):
+        value = await client.get(lock.key)
+        assert value is not None
+        assert value.decode().startswith(token + ":")
+    before = lock.time_left
+    await asyncio.sleep(0.3)
+    await lock.extend()
+    assert lock.time_left > before - 0.2  # (renewed on every server: counted from now)
+    assert await lock.is_held(verify=True)
+    await first[0].delete(lock.key)
+    assert await lock.is_held(verify=True)  # (two of three still hold it)
+    assert lock.held_on == 2
+    await first[1].delete(lock.key)
+    cancelled = asyncio.Event()
+
+    async def guarded() -> None:
+        async with lock.guard():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    task = asyncio.create_task(guarded())
+    await asyncio.sleep(0)
+    assert not await lock.is_held(verify=True)
+    with pytest.raises(LockLost):
+        await task
+    assert cancelled.is_set()
+    assert lock.state is asynclock.LeaseState.LOST
+    with pytest.raises(LockLost):
+        await lock.extend()
+    with pytest.raises(LockLost):
+        await lock.release()
+    assert await _keys(first, prefix) == []

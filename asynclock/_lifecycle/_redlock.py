@@ -131,10 +131,61 @@ class RedlockLease:
             return 0.0
         return max(0.0, self.safe_until - self._loop.time())
 
-    async def is_held(self) -> bool:
-        """Whether the lock is still held on a majority (a checkpoint, answered locally)."""
+    @property
+    def key(self) -> str:
+        """The Redis key holding the lease: the same name on every server."""
+        return self._leases[0].key
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The random token of the lease on each server that granted it. There is no
+        one ``token``: each server's lease was taken with its own (an attempt is a plain
+        lease of that server), and each key holds its own."""
+        return tuple(lease.token for lease in self._leases)
+
+    async def is_held(self, verify: bool = False) -> bool:
+        """Whether the lock is still held on a majority. Always a checkpoint.
+
+        With ``verify=False`` the answer is local and free. With ``verify=True`` every
+        server's lease is also read back from its server (at once); a server whose key
+        holds another value marks its lease lost, and the lock is lost once fewer than a
+        majority are left (cancelling the block or the open guards). A server that does
+        not answer counts as not confirming; no error is raised for it.
+        """
         await asyncio.sleep(0)
-        return self.time_left > 0
+        if self.time_left <= 0 or not verify:
+            return self.time_left > 0
+        live = [lease for lease in self._leases if lease.state in _LIVE]
+        answers = await asyncio.gather(
+            *(lease.is_held(verify=True) for lease in live), return_exceptions=True
+        )
+        confirmed = sum(answer is True for answer in answers)
+        return confirmed >= self._quorum and self.time_left > 0
+
+    async def extend(self) -> None:
+        """Renew the lease on every server now (the watchdogs keep renewing as well).
+
+        Raises:
+            LockLost: the lock is lost (fewer than a majority of its servers' leases are
+                left, now or before).
+            RuntimeError: the lock has been given back.
+            redis.exceptions.RedisError, TimeoutError: fewer than a majority confirmed the
+                renewal, the lock not lost: the first such error (the watchdogs go on).
+        """
+        if self._released:
+            raise RuntimeError(f"the lease {self._name!r} has been released")
+        if self._lost is not None:
+            raise LockLost(self._name, self._lost)
+        live = [lease for lease in self._leases if lease.state in _LIVE]
+        answers = await asyncio.gather(*(lease.extend() for lease in live), return_exceptions=True)
+        if self._lost is not None:
+            raise LockLost(self._name, self._lost)
+        if sum(answer is None for answer in answers) >= self._quorum:
+            return
+        for answer in answers:
+            if isinstance(answer, Exception) and not isinstance(answer, LockLost):
+                raise answer
+        raise LockLost(self._name, LossReason.NOT_OWNER)  # (unreachable: lost above)
 
     def guard(self) -> _Guard:
         """``async with lock.guard():``: a stretch of work that the loss of the majority
