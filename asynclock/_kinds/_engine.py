@@ -189,14 +189,18 @@ class Line(Turn):
 
 
 class Kind:
-    """What a kind of lock supplies to the acquisition loop (the defaults: a kind whose
-    attempt depends on nothing but the token, with no bookkeeping around it)."""
+    """What a kind of lock supplies to the acquisition loop, for one acquisition with
+    ``options`` (the defaults: a kind whose attempt depends on nothing but the token,
+    with no bookkeeping around it, whose waiters all try at each wake-up)."""
 
-    __slots__ = ()
+    __slots__ = ("_options",)
+
+    def __init__(self, options: LeaseOptions) -> None:
+        self._options = options
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         """How this acquisition's waits take turns in ``room``."""
-        raise NotImplementedError
+        return Crowd(room, self._options.channel)
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """The acquire script for ``token``; ``turn``: part of a blocking wait."""

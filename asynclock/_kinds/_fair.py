@@ -23,10 +23,8 @@ from __future__ import annotations
 import random
 from typing import Final, cast
 
-from .._base._options import LeaseOptions
 from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, Arg
-from .._session._wakeup import WaitingRoom
-from ._engine import Busy, Crowd, Granted, Kind, Refused, Request, Turn
+from ._engine import Busy, Granted, Kind, Refused, Request, Turn
 from ._hold import Hold, of_lock
 
 __all__ = ["FAIR_PATIENCE", "Fair"]
@@ -42,13 +40,7 @@ class Fair(Kind):
     """The fair kind: the plain lock, taken in the order of a queue in Redis; every
     waiter tries at each release (the queue, not the client, decides the order)."""
 
-    __slots__ = ("_options",)
-
-    def __init__(self, options: LeaseOptions) -> None:
-        self._options = options
-
-    def turn(self, room: WaitingRoom, token: str) -> Turn:
-        return Crowd(room, self._options.channel)
+    __slots__ = ()
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """A waiting attempt (``turn``) joins (or stays in) the queue."""

@@ -112,10 +112,10 @@ class JobConflict(Exception):
 class Mutex(Kind):
     """The plain lock (``job``: a job of ``once()``, whose result the attempt reads)."""
 
-    __slots__ = ("_companion", "_job", "_offering", "_on_success", "_options", "_token")
+    __slots__ = ("_companion", "_job", "_offering", "_on_success", "_token")
 
     def __init__(self, options: LeaseOptions, companion: Companion, job: Job | None) -> None:
-        self._options = options
+        super().__init__(options)
         self._companion = companion
         self._job = job
         self._token = ""

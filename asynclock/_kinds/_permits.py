@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import cast
 
 from .._base._exceptions import LimitConflict
-from .._base._options import LeaseOptions
 from .._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE
 from .._session._wakeup import WaitingRoom
 from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, until_expiry
@@ -42,10 +41,7 @@ __all__ = ["Permits"]
 class Permits(Kind):
     """The semaphore kind: a permit of ``options.limit``, waiting in the client's line."""
 
-    __slots__ = ("_options",)
-
-    def __init__(self, options: LeaseOptions) -> None:
-        self._options = options
+    __slots__ = ()
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         return Line(room, self._options.channel, token, self._options)

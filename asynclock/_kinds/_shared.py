@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from typing import cast
 
-from .._base._options import LeaseOptions
 from .._redis._scripts import SHARED_ABANDON, SHARED_ACQUIRE
-from .._session._wakeup import WaitingRoom
-from ._engine import Busy, Crowd, Granted, Kind, Refused, Request, Turn, until_expiry
+from ._engine import Busy, Granted, Kind, Refused, Request, Turn, until_expiry
 from ._hold import Hold, of_reader
 
 __all__ = ["Shared"]
@@ -34,13 +32,7 @@ __all__ = ["Shared"]
 class Shared(Kind):
     """The shared kind: a shared lease; every waiter tries at each release."""
 
-    __slots__ = ("_options",)
-
-    def __init__(self, options: LeaseOptions) -> None:
-        self._options = options
-
-    def turn(self, room: WaitingRoom, token: str) -> Turn:
-        return Crowd(room, self._options.channel)
+    __slots__ = ()
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         options = self._options

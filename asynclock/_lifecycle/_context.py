@@ -21,7 +21,7 @@ from typing import TypedDict, Unpack, cast, overload
 from redis.asyncio.cluster import RedisCluster
 
 from .._base._events import EventHook
-from .._base._options import Client, LeaseOptions
+from .._base._options import KEYWORDS, Client, LeaseOptions
 from .._session._connections import HoldEntry
 from ._lease import Lease, LeaseState
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
@@ -288,16 +288,8 @@ def _options(redis: Client, name: str, given: Mapping[str, object]) -> LeaseOpti
     return LeaseOptions.cached(redis, name, settings)
 
 
-# Options a Redlock does not take, and the values that mean "not given".
-_NOT_REDLOCK: dict[str, object] = {
-    "hold_at_least": None,
-    "max_hold": None,
-    "limit": 1,
-    "fair": False,
-    "shared": False,
-    "min_replicas": 0,
-    "wait_aof": False,
-}
+_NOT_REDLOCK = ("hold_at_least", "max_hold", "limit", "fair", "shared", "min_replicas", "wait_aof")
+"""Options a Redlock does not take (given with their defaults, they are not given)."""
 
 
 def _redlock_options(
@@ -315,8 +307,7 @@ def _redlock_options(
     for server in servers:
         if isinstance(server, RedisCluster):
             raise TypeError("redis: a Redlock's servers must be single servers, not clusters")
-    for option, absent in _NOT_REDLOCK.items():
-        value = given.get(option, absent)
-        if value is not absent and value != absent:
+    for option in _NOT_REDLOCK:
+        if option in given and given[option] != KEYWORDS[option]:
             raise ValueError(f"{option} cannot be given with a list of servers (Redlock)")
     return [_options(cast(Client, server), name, given).for_redlock() for server in servers]
