@@ -75,7 +75,7 @@ def register_ms(ttl_ms: int) -> int:
     """How long (ms) a registration as waiting lasts unless refreshed: 2 x ttl + 1 s.
 
     A waiting head refreshes it by each failed attempt, and tries at least every half of
-    that (``Acquisition._fallback``), so a live wait never lapses; a crashed one does.
+    that (``Mutex.pause``), so a live wait never lapses; a crashed one does.
     """
     return 2 * ttl_ms + 1000
 

@@ -10,7 +10,9 @@ lease from ``acquire()`` has no body: it is held without a task of the caller's 
 Either way the watchdog runs apart from the guarded code and never raises (its failures
 become ``LOST``), so the user never sees an ``ExceptionGroup`` for a single failure.
 
-Giving the lease back is in ``_release``; acquiring is in ``_acquire``.
+Acquiring is in ``_take`` (the kinds' engine, ``_kinds._engine``); giving the lease back
+is in ``_release``. What the lease renews and releases (its keys and scripts) is its
+kind's ``Hold`` (``_kinds._hold``): the lease never branches on its kind.
 """
 
 from __future__ import annotations

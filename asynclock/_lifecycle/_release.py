@@ -222,7 +222,7 @@ class _Outcome(enum.Enum):
     CONTESTED = "contested"  # deleted, waiters notified, waiters of other clients registered
     HANDED = "handed"  # handed to the next waiter of this client
     GRANTED = "granted"  # granted to a waiter of another client
-    NOT_OURS = "not ours"  # definitively not our key (see _release)
+    NOT_OURS = "not ours"  # definitively not our key (see _send_release)
 
 
 async def _send_release(

@@ -4,7 +4,7 @@ Layout of one lock named ``N`` under prefix ``P`` (all keys share the hash tag `
 they live in one Redis Cluster slot)::
 
     P{N}                 the lease; value "<token>:<fencing token>", PX = ttl
-    P{N}:fence           the last fencing token minted; PX = a day or 10 x ttl
+    P{N}:fence           the last fencing token minted; PX = fence_ttl (max(10 x ttl, 60 s))
     P{N}:void:<token>    tombstone of an abandoned acquire attempt; PX = max(3 x ttl, 10 s)
     P{N}:waiting         hash: origin id of a client with waiters -> "<since>:<until>"
                          (server ms), then ":<token>:<loop time>:<ttl ms>:<at ms>"

@@ -93,7 +93,17 @@ HoldEntry = tuple[str, "asyncio.Task[Any] | None"]
 
 
 class Companion:
-    """Per-client, per-loop state: the renewal pool, the watchdog and the waiting room."""
+    """Per-client, per-loop state: everything asynclock keeps beside a caller's client.
+
+    Its duties: the renewal pool (``renewer``) and the overflow pool for a full caller's
+    pool (``overflow``), both following a Sentinel's primary; the watchdog; the waiting
+    room (its lines, its subscription and grants; ``_undo_grant`` gives back a grant to a
+    waiter that left); the lane (the hot path's exchange on the caller's pool); packing
+    commands in the client's encoding (``pack``, ``pack_args``); the register of the
+    blocks and guards open per task (``holding``, ``left``, ``check_not_holding``:
+    leases are not re-entrant); undoing an abandoned attempt (``abandon``); the one-time
+    eviction check; and its own lifetime (``retain``, ``unretain``, ``aclose_if_idle``,
+    ``forget``)."""
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
