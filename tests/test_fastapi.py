@@ -1,7 +1,8 @@
 """asynclock.fastapi: a dependency holding a lease for the request, through a real FastAPI
 app and httpx's ASGI transport (issue 30)."""
 
-from __future__ import annotations
+# (no "from __future__ import annotations": FastAPI reads the endpoints' annotations at
+# run time, and a Depends() naming a local of make_app() must not be a string)
 
 import asyncio
 from collections.abc import AsyncIterator
