@@ -3,10 +3,8 @@
 Design note. An acquisition is one attempt (``blocking=False`` or ``blocking_timeout=0``)
 or a wait: try; on a busy reply subscribe to the lock's release channel and try again (so
 no release slips between the two); then park until a wake-up, the holder's time left (the
-kind's ``pause``) or the deadline (``_bound``), and try again. A kind's waiters of one
-client either queue in one line, where only the head tries (``Kind.line``: the permits of
-a semaphore), or all try at each wake-up (shared and fair leases, whose order is the
-server's).
+kind's ``pause``) or the deadline (``_bound``), and try again. How a kind's waiters of
+one client take turns is its ``Turn`` (below).
 
 The ladder for an attempt whose outcome is unknown lives here alone: after a connection
 error or timeout the same script is sent once more with the same token (the kind's script
