@@ -49,9 +49,9 @@ log = logging.getLogger("asynclock")
 async def take(
     redis: Client, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
 ) -> Lease:
-    """Acquire the lock of ``options`` (by the engine, ``_kinds._engine``; ``job``: for ``once()``): the
-    held lease, not yet watched (the caller starts it without awaiting first), and, with
-    ``min_replicas``, confirmed by that many replicas (see ``_replicas``)."""
+    """Acquire the lock of ``options`` (by the engine, ``_kinds._engine``; ``job``: for
+    ``once()``): the held lease, not yet watched (the caller starts it without awaiting
+    first), and, with ``min_replicas``, confirmed by that many replicas (``_replicas``)."""
     if isinstance(redis, RedisCluster):
         held = await _take_on_cluster(redis, options, hook, job)
     else:
