@@ -14,9 +14,11 @@ Nothing here ever flushes a database: tests isolate themselves with ``prefix``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -224,3 +226,33 @@ async def database_url(postgres_url: str) -> AsyncIterator[str]:
         await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
     finally:
         await admin.close()
+
+
+@dataclass
+class Pair:
+    """A primary and its replica (servers and clients), for the ``pair`` fixture."""
+
+    primary: RedisServer
+    replica: RedisServer
+    on_primary: aioredis.Redis
+    on_replica: aioredis.Redis
+
+
+@pytest.fixture
+async def pair(private_server: RedisServer, prefix: str) -> AsyncIterator[Pair]:
+    """A primary and its replica, replicating (a write on the primary has reached it)."""
+    replica = private_server.replica()
+    on_primary = aioredis.Redis.from_url(private_server.url)
+    on_replica = aioredis.Redis.from_url(replica.url)
+    try:
+        await on_primary.set(prefix + "probe", "1")
+        async with asyncio.timeout(10):
+            while await on_replica.get(prefix + "probe") != b"1":
+                await on_primary.execute_command("WAIT", 1, 100)
+        yield Pair(private_server, replica, on_primary, on_replica)
+    finally:
+        private_server.resume()
+        replica.resume()
+        await on_primary.aclose()
+        await on_replica.aclose()
+        replica.stop()

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import Pair
 from redis.asyncio import Redis
 
 import asynclock
 from asynclock import LeaseState, LockLost, LossReason
-from asynclock.testing import RedisServer
 
 # The kinds, by the keywords that make them (a semaphore of 2).
 KINDS: dict[str, dict[str, Any]] = {
@@ -69,32 +69,13 @@ async def test_max_hold_takes_the_lease_of_every_kind(
         pass
 
 
-@pytest.fixture
-async def primary(private_server: RedisServer, prefix: str) -> AsyncIterator[Redis]:
-    """A client of a primary with one replica, replicating."""
-    replica = private_server.replica()
-    on_primary = Redis.from_url(private_server.url)
-    on_replica = Redis.from_url(replica.url)
-    try:
-        await on_primary.set(prefix + "probe", "1")
-        async with asyncio.timeout(10):
-            while await on_replica.get(prefix + "probe") != b"1":
-                await on_primary.execute_command("WAIT", 1, 100)
-        yield on_primary
-    finally:
-        replica.resume()
-        await on_primary.aclose()
-        await on_replica.aclose()
-        replica.stop()
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
-async def test_min_replicas_confirms_every_kind(primary: Redis, prefix: str, kind: str) -> None:
+async def test_min_replicas_confirms_every_kind(pair: Pair, prefix: str, kind: str) -> None:
     """Every kind's acquisition and renewals are confirmed by the replica: the lease is
     held past several renewals and released cleanly."""
     events: list[asynclock.LeaseEvent] = []
     async with asynclock.lease(
-        primary,
+        pair.on_primary,
         "replicated",
         ttl=0.6,
         min_replicas=1,

@@ -7,44 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import anyio
 import pytest
+from conftest import Pair
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 import asynclock
 from asynclock import LeaseEventKind, LockBusy, LockLost, LossReason, ReplicationTimeout
 from asynclock.testing import RedisServer, available_engines, keys_left
-
-
-@dataclass
-class Pair:
-    primary: RedisServer
-    replica: RedisServer
-    on_primary: Redis
-    on_replica: Redis
-
-
-@pytest.fixture
-async def pair(private_server: RedisServer, prefix: str) -> AsyncIterator[Pair]:
-    """A primary and its replica, replicating (a write on the primary has reached it)."""
-    replica = private_server.replica()
-    on_primary = Redis.from_url(private_server.url)
-    on_replica = Redis.from_url(replica.url)
-    try:
-        await on_primary.set(prefix + "probe", "1")
-        async with asyncio.timeout(10):
-            while await on_replica.get(prefix + "probe") != b"1":
-                await on_primary.execute_command("WAIT", 1, 100)
-        yield Pair(private_server, replica, on_primary, on_replica)
-    finally:
-        private_server.resume()
-        replica.resume()
-        await on_primary.aclose()
-        await on_replica.aclose()
-        replica.stop()
 
 
 @pytest.mark.parametrize(
