@@ -63,6 +63,7 @@ class Leg:
     redis: str  # an exact redis-py version
     hiredis: bool  # False: redis-py's pure-Python parser
     extra: tuple[str, ...] = ()  # test files beyond CONTRACT
+    extras: tuple[str, ...] = ()  # the project's extras installed beyond `test`
 
     @property
     def name(self) -> str:
@@ -77,7 +78,8 @@ class Leg:
 LEGS = [
     Leg("3.13", OLDEST, hiredis=False, extra=("tests/test_chaos.py",)),
     Leg("3.12", NEWEST, hiredis=True, extra=("tests/test_chaos.py",)),
-    Leg("3.11", OLDEST, hiredis=True),
+    # arq pins redis-py below 6, so the real arq workers of tests/test_arq.py run here
+    Leg("3.11", OLDEST, hiredis=True, extra=("tests/test_arq.py",), extras=("test-arq",)),
 ]
 
 
@@ -150,9 +152,10 @@ def ensure_venv(leg: Leg, log: Path) -> Path:
         return bin_python
     shutil.rmtree(venv, ignore_errors=True)
     pin = f"redis[hiredis]=={leg.redis}" if leg.hiredis else f"redis=={leg.redis}"
+    extras = ("test", *leg.extras)
     steps = [
         [python, "-m", "venv", str(venv)],
-        [str(bin_python), "-m", "pip", "install", "-q", "-e", ".[test]", pin],
+        [str(bin_python), "-m", "pip", "install", "-q", "-e", f".[{','.join(extras)}]", pin],
     ]
     if not leg.hiredis:  # (the project itself asks for redis[hiredis])
         steps.append([str(bin_python), "-m", "pip", "uninstall", "-q", "-y", "hiredis"])
