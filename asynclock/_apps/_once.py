@@ -153,7 +153,7 @@ async def once(
         ValueError: a bad argument; a template field that names no parameter of
             ``func`` or could not be filled.
         redis.exceptions.RedisError: Redis refused or could not be reached.
-        Whatever ``func`` raised.
+        Exception: whatever ``func`` raised.
     """
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
@@ -252,7 +252,8 @@ def idempotent(
             ``client_from("ctx[redis]")``).
         key: a template whose fields name the function's parameters (see
             :func:`once`), or a callable of the function's arguments returning the key.
-        The other options are ``once()``'s.
+        fingerprint, ttl, result_ttl, blocking_timeout, prefix, serializer: as
+            :func:`once` takes them (``fingerprint`` called with the call's arguments).
 
     Raises:
         TypeError, ValueError: a bad option, or (when decorating) a template field or

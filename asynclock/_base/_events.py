@@ -34,6 +34,8 @@ log = logging.getLogger("asynclock")
 
 
 class LeaseEventKind(enum.StrEnum):
+    """What happened to a lease: the ``kind`` of a :class:`LeaseEvent` (a ``str``)."""
+
     ACQUIRED = "acquired"
     ACQUIRE_FAILED = "acquire_failed"
     """Not acquired: ``detail`` is ``busy`` (``blocking=False``) or ``timeout``."""
@@ -113,6 +115,7 @@ class LeaseEvent:
 
 
 EventHook = Callable[[LeaseEvent], object]
+"""A function called with each :class:`LeaseEvent` (``on_event=``, ``set_hooks()``)."""
 
 Tallied = tuple[LeaseEventKind, str, str, "float | None"]
 """An event as a metrics hook tallies it: (kind, lock name, detail, the event's figure:

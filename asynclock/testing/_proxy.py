@@ -48,6 +48,7 @@ class ProxyMode(enum.Enum):
 
 
 Direction = Literal["upstream", "downstream", "both"]
+"""Which way a fault of the proxy hits: client to server, server to client, or both."""
 _DIRECTIONS: Final = ("upstream", "downstream")
 
 #: Bytes queued (delayed) in one direction of one connection before the proxy
