@@ -278,7 +278,8 @@ _ACQUIRE_SOURCE = (
 --         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
 -- Registration writes use pcall: under maxmemory they are skipped, not fatal.
-if redis.call('EXISTS', KEYS[3]) == 1 then
+local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease: one read)
+if found[1] then
   return {-1, 0}
 end
 --[[job-prologue]]
@@ -316,7 +317,7 @@ local function on_success()
     end
   end
 end
-local current = redis.call('GET', KEYS[1])
+local current = found[2]
 local mine = ARGV[1] .. ':'
 local suffix = ''
 --[[job-current]]
@@ -797,11 +798,12 @@ FAIR_ACQUIRE = Script(
 -- returns {1, fencing token} when held by this token (new, or a retry of ours),
 --         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
-if redis.call('EXISTS', KEYS[3]) == 1 then
+local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease: one read)
+if found[1] then
   return {-1, 0}
 end
 local mine = ARGV[1] .. ':'
-local current = redis.call('GET', KEYS[1])
+local current = found[2]
 if current and string.sub(current, 1, #mine) == mine then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(string.match(current, '^[^:]*:(%d+)'))}
@@ -912,20 +914,21 @@ SHARED_ACQUIRE = Script(
 --         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an
 --         exclusive waiter registered (shared holders let it in first),
 --         {-1, 0} when this attempt was abandoned (its tombstone exists)
-if redis.call('EXISTS', KEYS[3]) == 1 then
+local found = redis.call('MGET', KEYS[3], KEYS[6], KEYS[1])  -- (one read for three)
+if found[1] then
   return {-1, 0}
 end
 local mine = ARGV[1] .. ':'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
-local current = redis.call('GET', KEYS[6])
+local current = found[2]
 local result
 if current and string.sub(current, 1, #mine) == mine then
   result = tonumber(string.match(current, '^[^:]*:(%d+)'))
   redis.call('PEXPIRE', KEYS[6], ttl)
 else
-  local holder = redis.call('GET', KEYS[1])
+  local holder = found[3]
   if holder and holder ~= 'shared' then
     return {0, redis.call('PTTL', KEYS[1])}
   end
