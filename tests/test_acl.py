@@ -426,7 +426,7 @@ async def test_the_command_line_under_the_user(
     ("left_out", "named"),
     [
         ("+evalsha", "+evalsha"),  # (refused at the top level: NOPERM names it)
-        ("+exists", "+exists"),  # (called by the acquire script, first thing)
+        ("+mget", "+mget"),  # (called by the acquire script, first thing)
         ("+zadd", "+zadd"),  # (the fair lock's queue)
         ("~", "key pattern"),
     ],
