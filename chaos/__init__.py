@@ -10,7 +10,10 @@ accepted, exact counters, no key left behind) and prints one summary; a failing 
 printed with the command that replays its schedule. ``python -m chaos --failover
 [--min-replicas N]`` is the failover mode: a primary and a replica, and the only fault
 kills the primary right after a grant and promotes the replica; with ``min_replicas=1``
-no lock may be granted twice across a failover. See ``docs/chaos.md``.
+no lock may be granted twice across a failover. ``--shared F``, ``--fair``, ``--redlock
+3`` and ``--jobs`` are the modes of shared leases, fair locks, Redlock and ``once()``,
+each with checks of its own (``_modes``), and ``--soak MINUTES`` rotates every mode and
+prints one table (``_soak``). See ``docs/chaos.md``.
 
 Not needed at run time by asynclock itself. Python API: :func:`run_chaos` (async),
 :class:`ChaosConfig`, and :func:`make_schedule`/:class:`Fault` for the seed's schedule.
