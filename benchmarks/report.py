@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .results import Results
+from .server import server_section
 
 __all__ = ["TARGETS", "Target", "write_report"]
 
@@ -485,6 +486,9 @@ def markdown(results: Results, chart: str | None, chart_note: str = "") -> str:
             f"| {title} | {target.what} | {shown} | {reference} | {shown_ratio} "
             f"| {target.target} | {mark} |"
         )
+
+    if results.server_us:
+        lines += ["", "## Server time per cycle", "", *server_section(results.server_us)]
 
     lines += ["", "## All figures", ""]
     for scenario in results.scenarios:

@@ -50,6 +50,9 @@ class Results:
     started: str = ""
     duration_s: float = 0.0
     interrupted: bool = False
+    server_us: dict[str, float] = field(default_factory=dict)
+    """Server µs per uncontended cycle of each kind of lock and recipe (``server.py``),
+    measured on the run's server after the scenarios (empty in older results)."""
 
     # -- persistence ----------------------------------------------------------------------
 

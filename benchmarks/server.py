@@ -1,0 +1,217 @@
+"""The server's share of a lock cycle: µs of Redis's main thread per uncontended acquire +
+release of each kind, beside the recipes: ``python -m benchmarks.server``.
+
+Redis runs every command and script on its one main thread, so the server time a cycle
+takes bounds how many cycles a shard can do, and is latency added to every other client
+of that server. It is read from ``INFO commandstats`` (``usec`` per command), summing
+the commands each kind sends itself (its scripts, whose time includes the commands they
+call; never those called inside a script, which ``commandstats`` counts as well): a
+snapshot before and after each block of cycles, the blocks of the kinds taking turns
+(in an order reversed every other block) so that drift of the machine falls on all.
+
+The recipes: ``SET NX PX`` + an ``EVALSHA`` owner-checked ``DEL`` (no fencing token, no
+wake-up: the floor), and a minimal fenced lock with a wake-up check (``SET NX PX`` +
+``INCR`` + ``PEXPIRE`` of the counter; an ``EVALSHA`` release that ``GET``s, ``DEL``s,
+asks ``EXISTS`` of a waiters key and ``PUBLISH``es).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+import asynclock
+from asynclock.testing import RedisServer
+
+__all__ = ["KINDS", "Kind", "measure", "render", "server_section"]
+
+_DELETE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_FENCED_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('PUBLISH', KEYS[1], 'released')
+end
+return 1
+"""
+
+Cycle = Callable[[], Awaitable[object]]
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One kind of cycle: its label, the commands it sends itself (lowercase), and how
+    to make its cycle on a client under a key prefix."""
+
+    label: str
+    sends: tuple[str, ...]
+    make: Callable[[Redis, str], Cycle]
+
+
+_SCRIPTS = ("evalsha", "eval")
+
+
+def _recipe(client: Redis, prefix: str) -> Cycle:
+    delete = client.register_script(_DELETE)
+    key = prefix + "recipe"
+
+    async def cycle() -> None:
+        token = uuid.uuid4().hex
+        await client.set(key, token, nx=True, px=10_000)
+        await delete(keys=[key], args=[token])
+
+    return cycle
+
+
+def _fenced(client: Redis, prefix: str) -> Cycle:
+    release = client.register_script(_FENCED_RELEASE)
+    key, fence, waiters = prefix + "fenced", prefix + "fenced:fence", prefix + "fenced:waiting"
+
+    async def cycle() -> None:
+        token = uuid.uuid4().hex
+        await client.set(key, token, nx=True, px=10_000)
+        await client.incr(fence)
+        await client.pexpire(fence, 86_400_000)
+        await release(keys=[key, waiters], args=[token])
+
+    return cycle
+
+
+def _lease(name: str, **options: object) -> Callable[[Redis, str], Cycle]:
+    def make(client: Redis, prefix: str) -> Cycle:
+        async def cycle() -> None:
+            async with asynclock.lease(client, name, prefix=prefix, **options):  # type: ignore[arg-type]
+                pass
+
+        return cycle
+
+    return make
+
+
+def _once(client: Redis, prefix: str) -> Cycle:
+    async def job() -> int:
+        return 1
+
+    async def cycle() -> None:
+        await asynclock.once(client, uuid.uuid4().hex, job, prefix=prefix)
+
+    return cycle
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("recipe: `SET NX PX` + `EVALSHA` owner-checked `DEL`", ("set", *_SCRIPTS), _recipe),
+    Kind(
+        "recipe, fenced, with a wake-up check",
+        ("set", "incr", "pexpire", *_SCRIPTS),
+        _fenced,
+    ),
+    Kind("asynclock mutex", _SCRIPTS, _lease("mutex")),
+    Kind("asynclock semaphore, `limit=5`", _SCRIPTS, _lease("sem5", limit=5)),
+    Kind("asynclock semaphore, `limit=1000`", _SCRIPTS, _lease("sem1000", limit=1000)),
+    Kind("asynclock shared lease", _SCRIPTS, _lease("shared", shared=True)),
+    Kind("asynclock fair lock", _SCRIPTS, _lease("fair", fair=True)),
+    Kind("asynclock `once()` (a new job each time)", _SCRIPTS, _once),
+)
+"""Every kind measured, the first the reference of every ratio."""
+
+
+async def _usec(client: Redis, commands: Sequence[str]) -> tuple[int, int]:
+    """(µs, calls) the server spent so far in ``commands`` (``INFO commandstats``)."""
+    stats = await client.info("commandstats")
+    found = [stats.get(f"cmdstat_{command}", {}) for command in commands]
+    return sum(int(f.get("usec", 0)) for f in found), sum(int(f.get("calls", 0)) for f in found)
+
+
+async def measure(
+    url: str, blocks: int = 10, per_block: int = 300, kinds: Sequence[Kind] = KINDS
+) -> dict[str, float]:
+    """Median server µs per cycle of each kind (by label), over ``blocks`` blocks of
+    ``per_block`` cycles each, the kinds taking turns. Runs against the server at
+    ``url``, which nothing else should use meanwhile; its keys are left to expire."""
+    client, probe = Redis.from_url(url), Redis.from_url(url)
+    prefix = f"bench:{uuid.uuid4().hex[:6]}:"
+    try:
+        cycles = [(kind, kind.make(client, prefix)) for kind in kinds]
+        for _, cycle in cycles:  # (warm-up: scripts loaded, connections open)
+            for _ in range(20):
+                await cycle()
+        figures: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        for block in range(blocks):
+            for kind, cycle in cycles if block % 2 == 0 else list(reversed(cycles)):
+                before, _ = await _usec(probe, kind.sends)
+                for _ in range(per_block):
+                    await cycle()
+                after, _ = await _usec(probe, kind.sends)
+                figures[kind.label].append((after - before) / per_block)
+    finally:
+        await client.aclose()
+        await probe.aclose()
+    return {label: statistics.median(values) for label, values in figures.items()}
+
+
+def render(figures: dict[str, float]) -> list[str]:
+    """The table of ``figures`` (from :func:`measure`), each against the first kind."""
+    labels = list(figures)
+    base, mutex = figures[labels[0]], figures.get("asynclock mutex")
+    lines = [
+        "| cycle | server µs per cycle | ÷ the recipe | ÷ the mutex |",
+        "|---|---|---|---|",
+    ]
+    for label, us in figures.items():
+        against = f"{us / mutex:.2f}x" if mutex else "-"
+        lines.append(f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |")
+    return lines
+
+
+def server_section(figures: dict[str, float]) -> list[str]:
+    """The section of a report on ``figures``: how they were measured, and the table."""
+    return [
+        "Server µs of Redis's main thread per uncontended acquire + release, from `INFO "
+        "commandstats` (the commands each kind sends itself; a script's time includes the "
+        "commands it calls), the kinds taking turns in blocks on the run's server "
+        "(`benchmarks/server.py`; `python -m benchmarks.server` alone). The recipes are "
+        "the floor: `SET NX PX` + an `EVALSHA` owner-checked `DEL`, and a fenced lock "
+        "with a wake-up check (`SET NX PX` + `INCR` + `PEXPIRE`; release `GET`, `DEL`, "
+        "`EXISTS`, `PUBLISH`). Read the ratios: the µs move with the machine.",
+        "",
+        *render(figures),
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks")
+    parser.add_argument("--url", help="measure on this server (else a private one)")
+    args = parser.parse_args(argv)
+    blocks, per_block = (4, 200) if args.quick else (10, 500)
+    if args.url:
+        figures = asyncio.run(measure(args.url, blocks, per_block))
+    else:
+        with RedisServer() as server:
+            figures = asyncio.run(measure(server.url, blocks, per_block))
+    print("\n".join(render(figures)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
