@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import statistics
 import sys
@@ -251,8 +252,9 @@ async def run(url: str, quick: bool) -> str:
         f"`python -m benchmarks.kinds{' --quick' if quick else ''}`, "
         f"{time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, "
         f"redis-py {redis.__version__}, asynclock {asynclock.__version__}, a private server "
-        "on loopback, client and server unpinned on 2 cores. python-redis-lock is not "
-        "installed, so it is not measured.",
+        "on loopback, client and server unpinned on 2 cores (load average "
+        f"{os.getloadavg()[0]:.2f} at the end: other work on the machine skews the µs, read "
+        "the ratios). python-redis-lock is not installed, so it is not measured.",
         "",
         f"Uncontended acquire + release, one task (median of {blocks} alternating blocks "
         f"of {per_block} cycles, one client):",
