@@ -998,10 +998,11 @@ SHARED_RELEASE = Script(
 -- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
 -- ARGV[1] the reader's full value, ARGV[2] the release channel, ARGV[3] our origin id
 -- returns 1 when our reader key was deleted (the marker too if we were the last), else 0
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+-- (read and deleted in one GETDEL: the key is named by our token, and only
+-- SHARED_ACQUIRE with that token writes it, so no other holder's value can be in it)
+if redis.call('GETDEL', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-redis.call('DEL', KEYS[1])
 local token = string.match(ARGV[1], '^([^:]*):')
 """
     + _SHARED_DROP
