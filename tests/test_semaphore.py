@@ -385,3 +385,23 @@ async def test_the_index_goes_with_the_last_permit(client: Redis, prefix: str) -
 
 async def _missing(client: Redis, key: str) -> bool:
     return not await client.exists(key)
+
+
+async def test_hold_at_least_keeps_a_released_permit(client: Redis, prefix: str) -> None:
+    """Permits released before ``hold_at_least`` stay taken until it has passed, then
+    are taken again (their slots' scores say so, not only their keys)."""
+    held = [
+        await asynclock.acquire(client, "kept", limit=2, ttl=5, hold_at_least=0.5, prefix=prefix)
+        for _ in range(2)
+    ]
+    for lease in held:
+        await lease.release()
+    with pytest.raises(LockBusy):
+        await asynclock.acquire(client, "kept", limit=2, ttl=5, prefix=prefix, blocking=False)
+    stats = await asynclock.statistics(client, "kept", prefix=prefix)
+    assert stats.permits_in_use == 2
+    again = await asynclock.acquire(
+        client, "kept", limit=2, ttl=5, prefix=prefix, blocking_timeout=5
+    )
+    assert again.key in {h.key for h in held}
+    await again.release()
