@@ -1094,19 +1094,16 @@ def test_two_results_for_one_job_key_are_caught_unless_a_data_loss_came_between(
 
 
 @needs_server
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding of the jobs mode (issue 31): once() returns its job's result when the "
-    "store's outcome is unknown, though the result may not have been stored; a duplicate "
-    "then runs the job again and returns another result",
-)
 async def test_once_gives_every_caller_one_result_when_the_store_is_not_answered(
     prefix: str,
 ):
     """``python -m chaos --jobs --seconds 20 --seed 11`` found it (a reset refusing new
     connections while the runner stored its result); here, deterministically, the store
-    is black-holed: the runner is given ``first``, which was never stored, and a caller
-    after the lease's TTL runs the job again and is given ``second``."""
+    is black-holed: the runner was given ``first``, which was never stored, and a caller
+    after the lease's TTL ran the job again and was given ``second``. Now the runner,
+    which cannot read the result back either, raises ``LockLost`` instead of returning a
+    result no other caller is given; a later caller runs the job (nothing was stored) and
+    every caller after it gets that one result."""
     server = RedisServer()
     await asyncio.to_thread(server.start)
     try:
@@ -1122,12 +1119,14 @@ async def test_once_gives_every_caller_one_result_when_the_store_is_not_answered
                 async def second_job() -> str:
                     return "second"
 
-                got = await asynclock.once(client, "job", first_job, ttl=0.6, prefix=prefix)
+                with pytest.raises(asynclock.LockLost, match="whether the result was stored"):
+                    await asynclock.once(client, "job", first_job, ttl=0.6, prefix=prefix)
                 proxy.set_mode(ProxyMode.PASS)
                 again = await asynclock.once(
                     observer, "job", second_job, ttl=0.6, blocking_timeout=5, prefix=prefix
                 )
-                assert again == got
+                assert again == "second"
+                assert await asynclock.once(client, "job", first_job, prefix=prefix) == again
             finally:
                 await client.aclose()
                 await observer.aclose()

@@ -24,6 +24,7 @@ never run twice on that account).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -147,7 +148,10 @@ async def once(
             not be stored; ``cause`` says why. Also a ``TypeError``.
         AcquireTimeout: neither a result nor the lease came within ``blocking_timeout``.
         LockLost: the lease was lost while ``func`` ran (it was cancelled), or before its
-            result could be stored: nothing was stored.
+            result could be stored: nothing was stored; or Redis did not answer whether
+            it stored the result, and it could not be read back: rather than a result no
+            other caller would be given, this error (a later call may run the job again
+            once the lease's key has expired).
         TypeError: an argument has the wrong type (before any I/O, as ``ValueError``),
             or ``args`` do not fit ``func``'s signature when ``key`` is a template.
         ValueError: a bad argument; a template field that names no parameter of
@@ -225,9 +229,41 @@ async def _run_once(
     )
     if stored is False:
         raise LockLost(key, LossReason.NOT_OWNER, "the result was not stored")
+    if stored is None:  # (Redis did not answer: it may, or may not, have stored it)
+        stored_value = await _stored_result(
+            redis, key, job.result_key, codec, options.release_timeout
+        )
+        return stored_value  # type: ignore[no-any-return]
     if unstored is not None:
         raise ResultNotStored(key, cause) from unstored
     return value  # type: ignore[no-any-return]
+
+
+async def _stored_result(
+    redis: Client, key: str, result_key: str, codec: Serializer, limit: float
+) -> Any:
+    """What every caller of the job ``key`` is given, once the store's outcome is unknown:
+    the result read back (or its marker's error) if it was stored; else ``LockLost``
+    rather than a value nobody else will see (a later call may then run the job again,
+    once the lease's key has expired). ``limit``: seconds for the read-back.
+
+    Raises:
+        ResultNotStored: the marker of a result that could not be stored was stored.
+        LockLost: the result could not be read back (``deadline``: Redis did not answer
+            in time), or was not stored (``not_owner``).
+    """
+    try:
+        async with asyncio.timeout(limit):
+            found, marker = await redis.hmget(result_key, ["v", "e"])
+    except Exception as exc:  # (any failure leaves it unknown)
+        raise LockLost(
+            key, LossReason.DEADLINE, "Redis did not answer whether the result was stored"
+        ) from exc
+    if found is not None:
+        return codec.loads(_as_bytes(found, redis))
+    if marker is not None:
+        raise ResultNotStored(key, _text(marker, redis))
+    raise LockLost(key, LossReason.NOT_OWNER, "the result was not stored")
 
 
 def idempotent(
