@@ -342,7 +342,7 @@ class LeaseOptions:
         key: tuple[object, ...] | None = None
         if type(redis) in _CLIENT_TYPES:
             # (this runs at every lease(): a tuple of what was given, types included)
-            key = (name, type(name), *[(k, v, type(v)) for k, v in given.items()])
+            key = (name, type(name), *given.items(), *map(type, given.values()))
             try:
                 return _BUILT[key]
             except KeyError:

@@ -61,7 +61,7 @@ __all__ = [
 log = logging.getLogger("asynclock")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Granted:
     """The lock taken: the fencing token minted, the loop time the attempt was sent (or
     the offer a releaser granted), the kind's detail (a semaphore's permit slot; -1
@@ -73,7 +73,7 @@ class Granted:
     handed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Busy:
     """The lock is taken: what the reply said of the holder's time left (ms; -1 no
     expiry, 0 ending now or unknown: ``LockBusy.retry_after`` is None then);
@@ -84,7 +84,7 @@ class Busy:
     pending: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refused:
     """The lock cannot be had this way: ``error`` says why (a conflicting limit, another
     kind, a job's stored result or another fingerprint). Nothing of ours was left."""
@@ -92,7 +92,7 @@ class Refused:
     error: Exception
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
     """One script call: the script, its keys and its arguments."""
 
@@ -102,16 +102,15 @@ class Request:
 
 
 class Turn:
-    """When a waiter of one client may try, and how it leaves (the base: always)."""
+    """When a waiter of one client may try, and how it leaves (the base: always).
+    ``event`` wakes it, from ``take_place`` on (set then: it tries at once)."""
 
     __slots__ = ("event",)
 
     waiter: Waiter | None = None
     """Our place in the client's line, once taken (lines only)."""
 
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.event.set()  # (tries at once)
+    event: asyncio.Event
 
     def first_alone(self) -> bool:
         """Whether to try once before taking a place (nobody of ours waits)."""
@@ -145,11 +144,12 @@ class Crowd(Turn):
     __slots__ = ("_channel", "_room")
 
     def __init__(self, room: WaitingRoom, channel: str) -> None:
-        super().__init__()
         self._room = room
         self._channel = channel
 
     def take_place(self) -> None:
+        self.event = asyncio.Event()
+        self.event.set()  # (tries at once)
         self._room.listen(self._channel, self.event)
 
     async def leave(self, granted: bool, quietly: bool) -> None:
@@ -162,7 +162,6 @@ class Line(Turn):
     __slots__ = ("_channel", "_options", "_room", "_token", "waiter")
 
     def __init__(self, room: WaitingRoom, channel: str, token: str, options: LeaseOptions):
-        super().__init__()
         self._room = room
         self._channel = channel
         self._token = token

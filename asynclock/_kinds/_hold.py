@@ -29,7 +29,7 @@ from .._redis._scripts import (
 __all__ = ["Hold", "of_lock", "of_permit", "of_reader"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hold:
     """A held lease's keys and scripts.
 
