@@ -87,7 +87,7 @@ async def test_delay_beyond_budget_loses_at_the_safe_deadline(
                     on_event=_on_renewal(renewed),
                 ) as lock:
                     await renewed.wait()
-                    t_send = lock._last_send
+                    t_send = lock._tenure.last_send
                     proxy.set_mode(ProxyMode.DELAY, delay=0.5)
                     try:
                         await anyio.sleep_forever()

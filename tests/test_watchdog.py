@@ -26,43 +26,43 @@ class Standin:
     def __init__(self, name: str, safe_until: float, ttl: float = 3.0) -> None:
         self.name = name
         self.ttl = ttl
-        self._safe_until = safe_until
-        self._due: float | None = None
-        self._active = True
-        self._backoff: float | None = None
-        self.min_replicas = 0  # (its _options: renewals confirmed by no replica)
+        self.deadline = safe_until
+        self.due: float | None = None
+        self.active = True
+        self.backoff: float | None = None
+        self.min_replicas = 0  # (its options: renewals confirmed by no replica)
         self.wait_aof = False
         self.confirmation_steps = 1
         self.deadlines = 0
         self.failed: list[BaseException] = []
         self.broken = False  # its handling raises, as a raising log handler would
 
-    def _watch(self, due: float | None) -> None:
-        self._due = due
+    def watch(self, due: float | None) -> None:
+        self.due = due
 
-    def _note_backoff(self, backoff: float) -> None:
-        self._backoff = backoff
+    def note_backoff(self, backoff: float) -> None:
+        self.backoff = backoff
 
-    def _on_deadline(self, cause: BaseException | None = None) -> None:
+    def on_deadline(self, cause: BaseException | None = None) -> None:
         if self.broken:
             raise RuntimeError("a log handler raised")
         self.deadlines += 1
 
-    def _confirm(self, t_send: float, safe_until: float | None = None) -> bool:
+    def confirm(self, t_send: float, safe_until: float | None = None) -> bool:
         if self.broken:
             raise RuntimeError("a log handler raised")
         return True
 
     @property
-    def _options(self) -> Any:
+    def options(self) -> Any:
         return self
 
     def safe_until(self, t_send: float) -> float:
         return t_send + self.ttl
 
-    def _fail(self, cause: BaseException) -> None:
+    def fail(self, cause: BaseException) -> None:
         self.failed.append(cause)
-        self._active = False
+        self.active = False
 
 
 @pytest.fixture
@@ -95,16 +95,16 @@ async def test_a_group_is_split_at_the_batch_limit_and_each_lease_sent_once(
         ended = Standin("ended", base + 2)
         group = [*live[:5], stale, ended, *live[5:]]
         dog._schedule_group(cast(Any, group), base)
-        stale._due = base + 0.5  # rescheduled since: its entry in the group is stale
-        ended._active = False
+        stale.due = base + 0.5  # rescheduled since: its entry in the group is stale
+        ended.active = False
         for _ in range(3):
             dog._fire(base)
             await settle()
         assert [len(batch) for batch in batches] == [4, 4, 2]
         sent = [name for batch in batches for name in batch]
         assert sorted(sent) == sorted(lease.name for lease in live)  # each once
-        assert all(lease._due is None for lease in live)  # in flight, off the timeline
-        assert stale._due == base + 0.5
+        assert all(lease.due is None for lease in live)  # in flight, off the timeline
+        assert stale.due == base + 0.5
         assert ended.deadlines == 0
         assert dog._timeline.entries == []
     finally:
@@ -120,20 +120,20 @@ async def test_deadlines_are_declared_at_their_time_never_before(batches: list[l
         soon = Standin("soon", safe_until=base + 0.02)  # within the 50 ms window
         due = Standin("due", safe_until=base + 2)
         dog.schedule(cast(Any, past), base - 0.5)
-        dog.schedule(cast(Any, soon), soon._safe_until)  # a deadline check (no retry fits)
+        dog.schedule(cast(Any, soon), soon.deadline)  # a deadline check (no retry fits)
         dog.schedule(cast(Any, due), base + 0.01)
         dog._fire(base)
         await settle()
         assert past.deadlines == 1
         assert batches == [["due"]]  # renewed early, within the window
         assert soon.deadlines == 0  # its deadline has not come: put back, not renewed
-        assert soon._due is soon._safe_until
-        assert [entry[0] for entry in dog._timeline.entries] == [soon._safe_until]
+        assert soon.due is soon.deadline
+        assert [entry[0] for entry in dog._timeline.entries] == [soon.deadline]
         dog._fire(base + 0.019)
         await settle()
         assert soon.deadlines == 0
         assert batches == [["due"]]
-        dog._fire(soon._safe_until)
+        dog._fire(soon.deadline)
         await settle()
         assert soon.deadlines == 1
         assert batches == [["due"]]
@@ -169,7 +169,7 @@ async def test_a_lease_whose_handling_raises_is_failed_and_the_others_go_on(
         monkeypatch.setattr(Watchdog, "_send", answered)
         await REAL_RENEW(dog, cast(Any, renewed))
         assert len(renewed[1].failed) == 1
-        assert renewed[0]._due == renewed[2]._due == base + 1.0  # due again at ttl/3
+        assert renewed[0].due == renewed[2].due == base + 1.0  # due again at ttl/3
         assert [entry[2] for entry in dog._timeline.entries] == [[renewed[0], renewed[2]]]
     finally:
         dog._timeline.cancel()

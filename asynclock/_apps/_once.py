@@ -35,6 +35,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 from .._base._exceptions import IdempotencyConflict, LockLost, LossReason, ResultNotStored
 from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
 from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
+from .._lifecycle._lease import Lease
 from .._lifecycle._take import begin
 from .._redis._lane import encoding_of
 from ._template import (
@@ -200,7 +201,7 @@ async def _run_once(
     codec = _codec(serializer)
     job = Job(options.key + _RESULT_SUFFIX, digest)
     try:
-        held = await begin(redis, options, None, job)
+        tenure = await begin(redis, options, None, job)
     except JobUnstored as marker:
         raise ResultNotStored(key, _text(marker.payload, redis)) from None
     except JobDone as done:
@@ -208,6 +209,7 @@ async def _run_once(
     except JobConflict:
         raise IdempotencyConflict(key) from None
     try:
+        held = Lease(tenure)
         async with held.guard():
             result = await func(*args)
     except BaseException:
@@ -224,7 +226,7 @@ async def _run_once(
         payload, field = cause, "e"
     else:
         field = "v"
-    stored = await held._store_and_release(
+    stored = await tenure.store_and_release(
         [options.key, job.result_key], [payload, result_ms, digest, field]
     )
     if stored is False:

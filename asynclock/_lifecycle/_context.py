@@ -28,6 +28,7 @@ from ._redlock import RedlockContext, RedlockLease, acquire_redlock
 from ._release import Wake, after_release
 from ._release import release as release_lease
 from ._take import begin
+from ._tenure import Tenure
 
 __all__ = ["HoldKeywords", "LeaseContext", "LeaseKeywords", "acquire", "lease"]
 
@@ -41,7 +42,7 @@ class LeaseContext:
         self._redis: Client | None = redis  # None once entered
         self._options = options
         self._hook = hook
-        self._lease: Lease | None = None
+        self._lease: Tenure | None = None
         self._entry: HoldEntry | None = None  # see Companion.holding
 
     async def __aenter__(self) -> Lease:
@@ -51,8 +52,8 @@ class LeaseContext:
         self._redis = None
         held = await begin(redis, self._options, self._hook, block=True)
         self._lease = held
-        self._entry = held._companion.holding(held._options.base_key)  # (any kind's)
-        return held
+        self._entry = held.companion.holding(held.options.base_key)  # (any kind's)
+        return Lease(held)
 
     async def __aexit__(
         self,
@@ -63,10 +64,10 @@ class LeaseContext:
         held = self._lease
         if held is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
-        scope = held._exit_block()  # (from here on a loss can no longer cancel the block)
+        scope = held.exit_block()  # (from here on a loss can no longer cancel the block)
         # A block that ran past its safe deadline, with no await for the deadline's timer
         # to land in (a blocking call, a CPU-bound stretch), did not finish in time.
-        held._overran("the exit")
+        held.overran("the exit")
         # Usually the release runs inside the block's own scope, made a shield (it is the
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
         # the block (the lease was lost) is left first, since it would cancel the release.
@@ -85,10 +86,10 @@ class LeaseContext:
                 if inside:
                     scope.__exit__(exc_type, exc, tb)  # never cancelled: swallows nothing
         finally:
-            held._companion.left(self._entry)
+            held.companion.left(self._entry)
             await after_release(held, wake)
         if held.state is LeaseState.LOST:  # (our scope only cancels the body then)
-            held._raise_loss(body_error, "this block")
+            held.raise_loss(body_error, "this block")
 
 
 @overload
@@ -246,7 +247,7 @@ async def acquire(
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
         return await acquire_redlock(redis, _redlock_options(redis, name, options), hook)
     client = cast(Client, redis)  # (a client, or _options raises TypeError)
-    return await begin(client, _options(client, name, options), hook)
+    return Lease(await begin(client, _options(client, name, options), hook))
 
 
 class HoldKeywords(TypedDict, total=False):

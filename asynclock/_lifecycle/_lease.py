@@ -1,79 +1,24 @@
-"""The lease: one acquisition of one lock, held (renewed by the watchdog, its deadline
-watched) until it is given back.
+"""The holder's handle of a lease: ``Lease``, and its ``guard()``.
 
-Design note. A lease is held in one of two forms. ``async with lease(...)`` (see
-``_context``) enters a cancel scope around the body: when the lease is lost the scope is
-cancelled, which cancels the body and every task it started in task groups under it. A
-lease from ``acquire()`` has no body: it is held without a task of the caller's until
-``release()``, and work done under it is guarded stretch by stretch with
-``async with lease.guard():``, a cancel scope of its own that a loss cancels the same way.
-Either way the watchdog runs apart from the guarded code and never raises (its failures
-become ``LOST``), so the user never sees an ``ExceptionGroup`` for a single failure.
-
-Acquiring is in ``_take`` (the kinds' engine, ``_kinds._engine``); giving the lease back
-is in ``_release``. What the lease renews and releases (its keys and scripts) is its
-kind's ``Hold`` (``_kinds._hold``): the lease never branches on its kind.
+Design note. ``Lease`` is what ``async with lease(...)`` yields and ``acquire()``
+returns: the public API over the lease's tenure (``_tenure.Tenure``), which owns the
+lease's state and the machinery that keeps and ends it. The handle holds nothing else,
+so the library's modules work on the tenure and the holder sees only what is promised.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import enum
-import logging
-import sys
-from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Final, final
 
 import anyio
 import anyio.lowlevel
-from redis.exceptions import AskError, MovedError
 
-from .._base._events import EventHook, LeaseEventKind, hooks, report
-from .._base._exceptions import LockLost, LossReason
-from .._base._shield import cancel_dropped, cancelling
-from .._kinds._hold import Hold
-from .._redis._cluster import cluster_of, node_at
-from .._redis._scripts import (
-    Arg,
-    Script,
-    run_idempotent,
-    unpack_arg,
-)
-from .._session._connections import Companion, HoldEntry, companion_for
-from .._session._watchdog import report_stall
-from ._release import Wake, after_release, let_go, release_storing
-from ._release import release as release_lease
+from .._base._exceptions import LossReason
+from .._session._connections import HoldEntry
+from ._tenure import ACTIVE, LeaseState, Tenure
 
 __all__ = ["Lease", "LeaseGuard", "LeaseState"]
-
-log = logging.getLogger("asynclock")
-
-# Compared in Redis: whatever bytes the key holds, the reply is an integer, which a
-# client of any decode mode reads (a value that is not valid text would fail to decode).
-_IS_OURS: Final = Script(
-    "is_ours", "if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end return 0"
-)
-
-
-class LeaseState(enum.StrEnum):
-    """Where a lease stands. ``LOST`` and ``RELEASED`` are terminal."""
-
-    HELD = "held"
-    """Held, and the last renewal was confirmed."""
-    SUSPECT = "suspect"
-    """A renewal is failing but the safe deadline has not passed; still held."""
-    LOST = "lost"
-    """Lost (see ``Lease.lost_reason``): the block, or the open guards, were cancelled."""
-    RELEASED = "released"
-    """Given back: the block exited, or ``release()`` was called."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_ACTIVE = (LeaseState.HELD, LeaseState.SUSPECT)
 
 
 @final
@@ -85,119 +30,55 @@ class Lease:
     Times are seconds; ``safe_until`` is an event-loop (monotonic) time.
     """
 
-    __slots__ = (
-        "_acquired_at",
-        "_asking",
-        "_backoff",
-        "_closing",
-        "_companion",
-        "_due",
-        "_guards",
-        "_hold",
-        "_hook",
-        "_keep_until",
-        "_last_send",
-        "_lost_cause",
-        "_lost_reason",
-        "_max_hold_timer",
-        "_options",
-        "_released",
-        "_safe_until",
-        "_scope",
-        "_state",
-        "_value",
-        "fencing_token",
-    )
+    __slots__ = ("_tenure", "fencing_token")
 
-    def __init__(
-        self,
-        hold: Hold,
-        companion: Companion,
-        token: str,
-        fencing_token: int,
-        t_send: float,
-        hook: EventHook | None,
-        suffix: str = "",
-    ) -> None:
-        options = hold.options
-        self._options = options
-        self._hold = hold  # (its keys and scripts: the lease never branches on its kind)
-        self._companion = companion
-        self._hook = hook
-        self.fencing_token: Final = fencing_token
+    def __init__(self, tenure: Tenure) -> None:
+        self._tenure = tenure
+        self.fencing_token: Final = tenure.fencing_token
         """Strictly greater than every fencing token issued before for this name."""
-        # The key's value, "<token>:<fencing token>" (the token is kept only in here).
-        # Packed into the renew command's arguments at the first renewal (see _renew_tail).
-        # (``suffix``: a job's fingerprint, ":<digest>", kept in the value while it runs)
-        self._value: str | bytes = f"{token}:{fencing_token}{suffix}"
-        self._last_send = t_send
-        self._acquired_at = t_send  # (for the hold time events report)
-        self._safe_until = options.safe_until(t_send)
-        # With hold_at_least, the loop time before which a release keeps the key.
-        least = options.hold_at_least
-        self._keep_until = t_send + least if least else None
-        self._state = LeaseState.HELD
-        self._lost_reason: LossReason | None = None
-        self._lost_cause: BaseException | None = None
-        self._scope: anyio.CancelScope | None = None  # the block's, while it runs
-        # The open guards' scopes for a lease of acquire() (None for a block's lease).
-        self._guards: tuple[anyio.CancelScope, ...] | None = None
-        self._due: float | None = None  # when the watchdog renews next (loop time)
-        self._backoff: float | None = None  # seconds before the next retry while SUSPECT
-        self._closing = False
-        self._asking = False  # renewed after ASKING (its slot migrates here: see _moved)
-        self._released: asyncio.Event | None = None  # set once release() has finished
-        self._max_hold_timer: asyncio.TimerHandle | None = None  # (max_hold: see _start)
-
-    # -- what the holder sees -----------------------------------------------------------
 
     @property
     def token(self) -> str:
         """The random token (128 bits, hex) identifying this lease in Redis."""
-        return self._owner().partition(":")[0]
+        return self._tenure.token
 
     @property
     def name(self) -> str:
         """The lock's name as given to :func:`lease`."""
-        return self._options.name
+        return self._tenure.options.name
 
     @property
     def key(self) -> str:
         """The Redis key holding the lease."""
-        return self._options.key
+        return self._tenure.options.key
 
     @property
     def ttl(self) -> float:
         """The lease's time to live in Redis, seconds; renewed every ttl/3."""
-        return self._options.ttl
+        return self._tenure.options.ttl
 
     @property
     def state(self) -> LeaseState:
         """Where the lease stands now: ``LOST`` as soon as the safe deadline has passed,
         even if a stalled loop has not yet run the deadline's timer (which then cancels
         the block)."""
-        if self._past_deadline():
-            return LeaseState.LOST
-        return self._state
+        return self._tenure.current_state()
 
     @property
     def lost_reason(self) -> LossReason | None:
         """Why the lease was lost, or None while it is not ``LOST``."""
-        if self._past_deadline():
-            return LossReason.DEADLINE
-        return self._lost_reason
+        tenure = self._tenure
+        return LossReason.DEADLINE if tenure.past_deadline() else tenure.lost_reason
 
     @property
     def safe_until(self) -> float:
         """Loop time (seconds) until which this process may believe it holds the lease."""
-        return self._safe_until
+        return self._tenure.deadline
 
     @property
     def time_left(self) -> float:
         """Seconds left before the safe deadline; 0.0 once lost, released or past it."""
-        if self._state not in _ACTIVE:
-            return 0.0
-        return max(0.0, self._safe_until - self._companion.loop.time())
+        return self._tenure.time_left
 
     async def is_held(self, verify: bool = False) -> bool:
         """Whether the lease is still held. Always a checkpoint (cancellation lands here).
@@ -212,33 +93,7 @@ class Lease:
             redis.exceptions.RedisError, TimeoutError: ``verify=True`` and Redis could
                 not be asked before the safe deadline.
         """
-        await anyio.lowlevel.checkpoint()
-        if not self._held_locally():
-            return False
-        if not verify:
-            return True
-        before = cancelling()
-        keys, args = [self.key], [self._owner()]
-        async with asyncio.timeout(self.time_left):
-            try:
-                if self._asking:  # (its slot is migrating to its node: see _moved)
-                    ours = await _IS_OURS(self._companion.client, keys, args, asking=True)
-                else:
-                    companion = self._companion
-                    ours = await run_idempotent(
-                        _IS_OURS, companion.client, companion.overflow, keys, args
-                    )
-            except AskError as moved:  # (MOVED too: the slot moved; see _moved)
-                if not self._follow(moved):
-                    raise
-                client = self._companion.client
-                ours = await _IS_OURS(client, keys, args, asking=self._asking)
-        if cancel_dropped(before):
-            raise asyncio.CancelledError
-        if ours != 1:
-            self._found_not_ours()
-            return False
-        return self._held_locally()
+        return await self._tenure.is_held(verify)
 
     async def extend(self) -> None:
         """Renew the lease now (the watchdog keeps renewing as well).
@@ -249,24 +104,7 @@ class Lease:
             redis.exceptions.RedisError, TimeoutError: the renewal could not be confirmed
                 before the safe deadline; the lease is unchanged and the watchdog goes on.
         """
-        self._check_not_released()
-        if not self._held_locally():
-            raise self._loss_error()
-        before = cancelling()
-        try:
-            renewed = await self._renew_once(self.time_left)
-        except Exception:
-            self._check_not_released()  # (the release may have closed its connection)
-            raise
-        if cancel_dropped(before):
-            raise asyncio.CancelledError
-        if not renewed:
-            self._check_not_released()  # given back while the renewal was in flight
-            raise self._loss_error()
-
-    def _check_not_released(self) -> None:
-        if self._closing and self._state is not LeaseState.LOST:
-            raise RuntimeError(f"the lease {self.name!r} has been released")
+        await self._tenure.extend()
 
     async def release(self) -> None:
         """Give back a lease taken with :func:`acquire`: stop renewing it and delete its
@@ -284,61 +122,7 @@ class Lease:
             RuntimeError: the lease is an ``async with lease(...)`` block's (its exit
                 gives it back), or a ``guard()`` of it is still open.
         """
-        await self._release(None)
-
-    async def _release(self, give: Callable[[Lease], Awaitable[Wake]] | None) -> None:
-        """``release()``, giving the key back with ``give`` if given."""
-        in_flight = sys.exc_info()[1]
-        guards = self._guards
-        if guards is None:
-            raise RuntimeError(
-                f"the lease {self.name!r} belongs to an `async with lease(...)` block, "
-                "whose exit releases it"
-            )
-        if guards:
-            raise RuntimeError(f"release() of {self.name!r} while a guard() of it is open")
-        if self._closing:  # released, or being released, by an earlier call
-            released = self._released
-            if released is not None:
-                await released.wait()  # (bounded: every step of a release is)
-        else:
-            self._closing = True
-            self._released = asyncio.Event()
-            wake = Wake.OURS
-            try:
-                self._overran("the release")
-                if give is None:
-                    wake = await release_lease(self, shielded=False)
-                else:  # (once(): the result stored with the release, see _release)
-                    wake = await give(self)
-            finally:
-                try:
-                    await after_release(self, wake)
-                finally:
-                    self._released.set()
-        if self._state is LeaseState.LOST:
-            self._raise_loss(in_flight, "the code that released it")
-
-    async def _store_and_release(self, keys: list[str], args: list[Arg]) -> bool | None:
-        """Release a lease of ``once()`` storing its job's result in the same step (the
-        STORE script). Returns True if stored, None if that is unknown (Redis did not
-        answer: logged). ``release()``'s rules otherwise.
-
-        Raises:
-            LockLost: the key was not ours: nothing was stored.
-        """
-        stored: bool | None = None
-
-        async def give(held: Lease) -> Wake:
-            nonlocal stored
-            if held._state is LeaseState.LOST:  # (lost: a plain release, nothing stored)
-                stored = False
-                return await release_lease(held, shielded=False)
-            stored = await release_storing(held, keys, args)
-            return Wake.OURS
-
-        await self._release(give)
-        return stored
+        await self._tenure.give_back()
 
     def guard(self) -> LeaseGuard:
         """``async with lease.guard():`` runs a stretch of work that stops when a lease of
@@ -358,303 +142,10 @@ class Lease:
         return LeaseGuard(self)
 
     def __repr__(self) -> str:
-        left = f" {self.time_left:.1f}s left" if self._state in _ACTIVE else ""
-        lost = f" ({self._lost_reason})" if self._lost_reason else ""
-        return f"<Lease {self.name!r} {self._state.name}{lost} fence={self.fencing_token}{left}>"
-
-    # -- machinery (used by the context manager and the watchdog) ----------------------
-
-    @property
-    def _active(self) -> bool:
-        return self._state in _ACTIVE and not self._closing
-
-    @property
-    def _state_active(self) -> bool:
-        return self._state in _ACTIVE
-
-    def _past_deadline(self) -> bool:
-        """Still active, but the safe deadline has passed (its timer not run yet)."""
-        return self._state in _ACTIVE and self._companion.loop.time() >= self._safe_until
-
-    def _held_locally(self) -> bool:
-        return self._state in _ACTIVE and self._companion.loop.time() < self._safe_until
-
-    def _owner(self) -> str:
-        """The key's value while we own it: ``<token>:<fencing token>``."""
-        value = self._value
-        if isinstance(value, bytes):  # (packed by _renew_tail: after the keys)
-            return unpack_arg(value, len(self._hold.keys)).decode("ascii")
-        return value
-
-    def _loss_error(self) -> LockLost:
-        reason = self._lost_reason or LossReason.DEADLINE
-        return LockLost(self.name, reason)
-
-    def _raise_loss(self, error: BaseException | None, what: str) -> None:
-        """The lease was lost while ``what`` (a block, a guard) ran, and it ended with
-        ``error`` (None: it finished, or our cancellation stopped it). Raise ``LockLost``,
-        or let the code's own error propagate with a note (never masked)."""
-        if error is None:
-            raise self._loss_error() from self._lost_cause
-        if isinstance(error, asyncio.CancelledError | LockLost):
-            return  # (a LockLost in flight: a guard's, for this loss, said it already)
-        said = f"asynclock: the lease {self.name!r} was lost ({self._lost_reason})"
-        if not any(note.startswith(said) for note in getattr(error, "__notes__", ())):
-            error.add_note(f"{said} while {what} ran")  # (once: a guard and a release)
-
-    def _event(
-        self,
-        kind: LeaseEventKind,
-        detail: str = "",
-        *,
-        waited: float | None = None,
-        latency: float | None = None,
-        slack: float | None = None,
-    ) -> None:
-        if self._hook is not None or hooks():
-            now = self._companion.loop.time()
-            held = None
-            if kind is LeaseEventKind.RELEASED or kind is LeaseEventKind.LOST:
-                held = now - self._acquired_at
-            report(
-                self._hook,
-                kind,
-                self._options.name,
-                self.fencing_token,
-                now,
-                self._safe_until,
-                detail,
-                waited,
-                held,
-                latency,
-                slack,
-            )
-
-    def _start(self, scope: anyio.CancelScope | None, waited: float | None = None) -> None:
-        """Schedule the first renewal, which also watches the deadline (no await in
-        between). ``scope`` is the block's; None for a lease of ``acquire()``. ``waited``:
-        the seconds the acquisition took, reported as ``acquired`` (None: a part of a
-        Redlock, which reports its own)."""
-        self._scope = scope
-        if scope is None:
-            self._guards = ()
-        companion = self._companion
-        companion.watchdog.schedule(self, self._last_send + self.ttl / 3)
-        most = self._options.max_hold
-        if most:  # (counted from the acquire's send, as the deadline is)
-            at = self._last_send + most
-            self._max_hold_timer = companion.loop.call_at(at, self._max_hold_reached)
-        if waited is not None:
-            self._event(LeaseEventKind.ACQUIRED, waited=waited)
-
-    def _max_hold_reached(self) -> None:
-        """``max_hold`` seconds since the acquisition: lost, though renewals succeed."""
-        self._max_hold_timer = None
-        if self._state in _ACTIVE and not self._closing:
-            self._lose(LossReason.MAX_HOLD)
-
-    # -- asked by the watchdog (its view of a lease: ``_watchdog.Watched``) ---------------
-
-    def _watch(self, due: float | None) -> None:
-        """The watchdog looks at this lease next at loop time ``due``; None while a
-        renewal of it is in flight. (The slot is the watchdog's bookkeeping.)"""
-        self._due = due
-
-    def _note_backoff(self, backoff: float) -> None:
-        """The watchdog's pause (seconds) before the retry after next, while SUSPECT."""
-        self._backoff = backoff
-
-    def _moved(self, error: AskError) -> bool:
-        """A renewal was answered ``MOVED`` or ``ASK`` (``error``, a ``MovedError`` or an
-        ``AskError``): on a Redis Cluster, the lock's slot is (being) migrated to the
-        node the answer names. The lease moves to that node's companion (``_follow``),
-        and is renewed there at once. Returns False when it cannot move (not a cluster,
-        being released, or the same node): the renewal then counts as failed."""
-        if self._closing or self._state not in _ACTIVE or not self._follow(error):
-            return False
-        self._companion.watchdog.schedule(self, self._companion.loop.time())
-        return True
-
-    def _follow(self, error: AskError) -> bool:
-        """Move the lease to the companion of the node that ``error`` (``MOVED`` or
-        ``ASK``) names, its commands sent after ``ASKING`` while the slot is migrating
-        (see ``_redis._cluster``); False if it cannot (not a cluster, or that node is its
-        own already). The caller sends again, or schedules the next renewal."""
-        old = self._companion
-        cluster = cluster_of(old.client)
-        if cluster is None:
-            return False
-        node = node_at(cluster, error.host, int(error.port))
-        if node is None:
-            return False
-        new = companion_for(node)
-        if new is old:
-            return False
-        new.retain()
-        token = self.token
-        if token in old.room.in_use:  # (see WaitingRoom.in_use; discarded at release)
-            old.room.in_use.discard(token)
-            new.room.in_use.add(token)
-        self._companion = new
-        self._asking = not isinstance(error, MovedError)
-        old.room.wake(self._options.channel)  # (its waiters here try, and move too)
-        let_go(old)
-        return True
-
-    def _on_deadline(self, cause: BaseException | None = None) -> None:
-        """Called by the watchdog once ``safe_until`` has passed; ``cause``: the failure
-        of the renewal that could not be retried in time, if that is how it came."""
-        if self._state not in _ACTIVE or self._closing:
-            return  # ended, or the block finished in time and is being released
-        if cause is not None:
-            self._lost_cause = cause
-        self._deadline_passed("the deadline")
-
-    def _deadline_passed(self, what: str) -> None:
-        """``safe_until`` has passed (noticed by ``what``): log a stall, lose the lease."""
-        try:
-            report_stall(self, self._safe_until, self._companion.loop.time(), what)
-        finally:
-            self._lose(LossReason.DEADLINE, self._lost_cause)
-
-    def _overran(self, what: str) -> bool:
-        """At an exit (``what``: a block's, a guard's, a release): the lease is lost if its
-        deadline has passed without its timer running (the loop was blocked: a blocking
-        call, CPU-bound code). Returns whether it was. Never raises, so the exit always
-        finishes its cleanup (a log handler that fails is ignored here)."""
-        if self._state not in _ACTIVE or self._companion.loop.time() < self._safe_until:
-            return False
-        with contextlib.suppress(Exception):
-            self._deadline_passed(what)
-        return True
-
-    async def _renew_once(self, limit: float) -> bool:
-        """One renewal attempt of at most ``limit`` seconds.
-
-        Returns True if renewed, False if the lease is (now) lost. Raises the Redis or
-        timeout error when the outcome is unknown.
-        """
-        t_send = self._companion.loop.time()
-        async with asyncio.timeout(limit):
-            keys = self._hold.keys
-            args: list[Arg] = [self._owner(), self._options.ttl_ms]
-            try:
-                client = self._companion.renewer()
-                reply = await self._renew_script(client, keys, args, asking=self._asking)
-            except AskError as moved:  # (MOVED too: the slot moved; see _moved)
-                if not self._follow(moved):
-                    raise
-                client = self._companion.renewer()
-                reply = await self._renew_script(client, keys, args, asking=self._asking)
-        if reply != 1:
-            self._found_not_ours()
-            return False
-        return self._confirm(t_send)
-
-    def _confirm(self, t_send: float, safe_until: float | None = None) -> bool:
-        """A renewal sent at ``t_send`` was confirmed (``safe_until`` is its new deadline,
-        when the caller has computed it). Returns False if the lease is (now) lost."""
-        if self._state not in _ACTIVE:
-            return False
-        if self._companion.loop.time() >= self._safe_until:
-            self._lose(LossReason.DEADLINE, self._lost_cause)
-            return False
-        if safe_until is None:
-            safe_until = self._options.safe_until(t_send)
-        before = self._safe_until
-        if safe_until > before:
-            self._safe_until = safe_until  # (the watchdog reads it when it looks next)
-            self._last_send = t_send
-        self._state = LeaseState.HELD
-        self._lost_cause = None
-        self._backoff = None
-        if self._hook is not None or hooks():
-            now = self._companion.loop.time()
-            self._event(LeaseEventKind.RENEWED, latency=now - t_send, slack=before - now)
-        return True
-
-    # The renewal. (The watchdog renews any lease through these three; see
-    # docs/architecture.md, the seam a kind implements: the kind's ``Hold`` says which
-    # keys and which script.)
-
-    @property
-    def _renew_script(self) -> Script:
-        return self._hold.renew
-
-    @property
-    def _renew_head(self) -> bytes:
-        return self._hold.renew_head
-
-    def _renew_tail(self) -> bytes:
-        """The keys and arguments of this lease's renew call in RESP (they never change):
-        its hold's keys, its value, its ttl in ms. Packed at the first renewal; from then
-        on they are the only copy of the value (see ``_owner``), which keeps a held lease
-        small."""
-        value = self._value
-        if isinstance(value, bytes):
-            return value
-        packed = self._companion.pack_args(*self._hold.keys, value, self._options.ttl_ms)
-        self._value = packed
-        return packed
-
-    def _found_not_ours(self) -> None:
-        """A renewal or a read-back of ours found the key not ours: lost, unless the
-        block has exited (the release in flight may have deleted it: no proof then)."""
-        if not self._closing:
-            self._lose(LossReason.NOT_OWNER)
-
-    def _fail(self, cause: BaseException) -> None:
-        self._lose(LossReason.WATCHDOG_FAILED, cause)  # (first: logging may raise)
-        log.error("the watchdog of %r failed", self.name, exc_info=cause)
-
-    def _suspect(self, cause: BaseException) -> None:
-        if self._state in _ACTIVE:
-            self._state = LeaseState.SUSPECT
-            self._lost_cause = cause  # kept as the cause should the deadline pass
-            self._event(LeaseEventKind.RENEW_FAILED, repr(cause))
-
-    def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None:
-        if self._state not in _ACTIVE:
-            return
-        self._state = LeaseState.LOST
-        self._lost_reason = reason
-        self._lost_cause = cause
-        if self._scope is not None and not self._closing:
-            self._scope.cancel()  # (once the block is exiting, nothing is left to cancel)
-        for guard in self._guards or ():
-            guard.cancel()
-        log.warning("lease %r lost: %s", self.name, reason.value)
-        self._event(LeaseEventKind.LOST, reason.value)
-
-    def _not_confirmed(self) -> None:
-        """The acquisition did not count (too few replicas confirmed it): the release
-        that follows deletes the key at once, ``hold_at_least`` set aside."""
-        self._keep_until = None
-
-    def _end(self) -> None:
-        """Given back (whatever the outcome): RELEASED unless lost; the block is gone."""
-        if self._state in _ACTIVE:
-            self._state = LeaseState.RELEASED
-        self._scope = None
-        timer = self._max_hold_timer
-        if timer is not None:
-            timer.cancel()
-            self._max_hold_timer = None
-
-    def _exit_block(self) -> anyio.CancelScope:
-        """The ``async with`` block's exit begins: from here on a loss can no longer
-        cancel the block. Returns the block's scope.
-
-        Raises:
-            RuntimeError: the block has already exited, or was never entered.
-        """
-        if self._closing:
-            raise RuntimeError("this lease() context manager has already exited")
-        scope = self._scope
-        if scope is None:
-            raise RuntimeError("__aexit__ called without a successful __aenter__")
-        self._closing = True
-        return scope
+        tenure = self._tenure
+        left = f" {self.time_left:.1f}s left" if tenure.state in ACTIVE else ""
+        lost = f" ({tenure.lost_reason})" if tenure.lost_reason else ""
+        return f"<Lease {self.name!r} {tenure.state.name}{lost} fence={self.fencing_token}{left}>"
 
 
 @final
@@ -669,25 +160,23 @@ class LeaseGuard:
         self._entry: HoldEntry | None = None  # see Companion.holding
 
     async def __aenter__(self) -> Lease:
-        held = self._lease
+        held = self._lease._tenure
         if self._scope is not None:
             raise RuntimeError("a guard() can be entered only once")
-        if held._guards is None:
+        if held.guards is None:
             raise RuntimeError(
                 "guard() is for leases of acquire(); the body of `async with lease(...)` "
                 "is guarded already"
             )
         await anyio.lowlevel.checkpoint()
-        held._check_not_released()
-        if not held._held_locally():
-            held._overran("a guard")  # (past its deadline, its timer not run yet)
-            raise held._loss_error() from held._lost_cause
-        scope = held._companion.cancel_scope()
-        scope.__enter__()
+        held.check_not_released()
+        if not held.held_locally():
+            held.overran("a guard")  # (past its deadline, its timer not run yet)
+            raise held.loss_error() from held.lost_cause
+        scope = held.open_guard()
         self._scope = scope
-        held._guards = (*held._guards, scope)
-        self._entry = held._companion.holding(held._options.base_key)
-        return held
+        self._entry = held.companion.holding(held.options.base_key)
+        return self._lease
 
     async def __aexit__(
         self,
@@ -695,14 +184,13 @@ class LeaseGuard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        held = self._lease
+        held = self._lease._tenure
         scope = self._scope
-        if scope is None or held._guards is None or scope not in held._guards:
+        if scope is None or not held.close_guard(scope):
             raise RuntimeError("a guard's __aexit__ without its __aenter__, or twice")
-        held._guards = tuple(open_ for open_ in held._guards if open_ is not scope)
-        held._companion.left(self._entry)
-        overran = held._overran("a guard's exit")  # (not cancelling this guard's scope)
-        lost_here = held._state is LeaseState.LOST and (scope.cancel_called or overran)
+        held.companion.left(self._entry)
+        overran = held.overran("a guard's exit")  # (not cancelling this guard's scope)
+        lost_here = held.state is LeaseState.LOST and (scope.cancel_called or overran)
         swallowed = bool(scope.__exit__(exc_type, exc, tb))
         if lost_here:
-            held._raise_loss(None if swallowed else exc, "a guard of it")
+            held.raise_loss(None if swallowed else exc, "a guard of it")

@@ -39,8 +39,8 @@ from .._base._events import EventHook, LeaseEvent, LeaseEventKind, alone, emit
 from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
 from .._session._connections import HoldEntry, companion_for
-from ._lease import Lease, LeaseState
 from ._take import take
+from ._tenure import LeaseState, Tenure
 
 __all__ = ["RedlockContext", "RedlockLease", "acquire_redlock"]
 
@@ -61,7 +61,7 @@ class RedlockLease:
         self,
         name: str,
         ttl: float,
-        leases: list[Lease],
+        leases: list[Tenure],
         quorum: int,
         servers: int,
         hook: EventHook | None = None,
@@ -94,7 +94,7 @@ class RedlockLease:
     @property
     def held_on(self) -> int:
         """On how many servers the lease is held now (at least a majority while held)."""
-        return sum(lease.state in (LeaseState.HELD, LeaseState.SUSPECT) for lease in self._leases)
+        return sum(lease.current_state() in _LIVE for lease in self._leases)
 
     @property
     def fencing_token(self) -> int:
@@ -107,7 +107,7 @@ class RedlockLease:
             return LeaseState.LOST
         if self._released:
             return LeaseState.RELEASED
-        healthy = sum(lease.state is LeaseState.HELD for lease in self._leases)
+        healthy = sum(lease.current_state() is LeaseState.HELD for lease in self._leases)
         return LeaseState.HELD if healthy >= self._quorum else LeaseState.SUSPECT
 
     @property
@@ -118,7 +118,8 @@ class RedlockLease:
     def safe_until(self) -> float:
         """Loop time until which a majority of the servers' leases is known held."""
         deadlines = sorted(
-            (lease.safe_until for lease in self._leases if lease.state in _LIVE), reverse=True
+            (lease.deadline for lease in self._leases if lease.current_state() in _LIVE),
+            reverse=True,
         )
         if len(deadlines) < self._quorum:
             return 0.0
@@ -134,7 +135,7 @@ class RedlockLease:
     @property
     def key(self) -> str:
         """The Redis key holding the lease: the same name on every server."""
-        return self._leases[0].key
+        return self._leases[0].options.key
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -155,7 +156,7 @@ class RedlockLease:
         await asyncio.sleep(0)
         if self.time_left <= 0 or not verify:
             return self.time_left > 0
-        live = [lease for lease in self._leases if lease.state in _LIVE]
+        live = [lease for lease in self._leases if lease.current_state() in _LIVE]
         answers = await asyncio.gather(
             *(lease.is_held(verify=True) for lease in live), return_exceptions=True
         )
@@ -176,7 +177,7 @@ class RedlockLease:
             raise RuntimeError(f"the lease {self._name!r} has been released")
         if self._lost is not None:
             raise LockLost(self._name, self._lost)
-        live = [lease for lease in self._leases if lease.state in _LIVE]
+        live = [lease for lease in self._leases if lease.current_state() in _LIVE]
         answers = await asyncio.gather(*(lease.extend() for lease in live), return_exceptions=True)
         if self._lost is not None:
             raise LockLost(self._name, self._lost)
@@ -214,12 +215,10 @@ class RedlockLease:
             token = self.fencing_token
             emit(self._hook, LeaseEvent(released, self._name, token, now, 0.0, "", held=held))
 
-    def _holding(self) -> list[tuple[Lease, HoldEntry]]:
+    def _holding(self) -> list[tuple[Tenure, HoldEntry]]:
         """Note, on every server's client, that the current task is in a block or guard
         of this lock (a nested attempt of it would wait for itself: see acquire_redlock)."""
-        return [
-            (lease, lease._companion.holding(lease._options.base_key)) for lease in self._leases
-        ]
+        return [(lease, lease.companion.holding(lease.options.base_key)) for lease in self._leases]
 
     def _on_event(self, event: LeaseEvent) -> None:
         """A server's lease was lost: the Redlock is lost once fewer than a majority
@@ -256,7 +255,7 @@ class _Guard:
     def __init__(self, lock: RedlockLease) -> None:
         self._lock = lock
         self._scope = anyio.CancelScope()
-        self._entries: list[tuple[Lease, HoldEntry]] = []
+        self._entries: list[tuple[Tenure, HoldEntry]] = []
 
     async def __aenter__(self) -> RedlockLease:
         lock = self._lock
@@ -277,7 +276,7 @@ class _Guard:
     ) -> None:
         lock = self._lock
         for lease, entry in self._entries:
-            lease._companion.left(entry)
+            lease.companion.left(entry)
         swallowed = self._scope.__exit__(exc_type, exc, tb)
         lock._scopes.remove(self._scope)
         if lock._lost is not None and (exc is None or swallowed):
@@ -392,7 +391,7 @@ def _report_failed(hook: EventHook | None, name: str, why: str, waited: float) -
 
 async def _take_all(
     servers: Sequence[Client], options: list[LeaseOptions], lock: RedlockLease, limit: float
-) -> tuple[list[Lease], list[BaseException]]:
+) -> tuple[list[Tenure], list[BaseException]]:
     """One attempt on every server at once, for at most ``limit`` seconds: the leases
     taken (started, each reporting its losses to ``lock``) and the errors raised. An
     attempt still running at the limit is cancelled (which undoes it); one that took
@@ -408,7 +407,7 @@ async def _take_all(
             task.add_done_callback(_give_back_late)
             task.cancel()
         raise
-    leases: list[Lease] = []
+    leases: list[Tenure] = []
     errors: list[BaseException] = []
     for task in tasks:
         if not task.done():
@@ -418,7 +417,7 @@ async def _take_all(
         error = task.exception()
         if error is None:
             lease = task.result()
-            lease._start(None)
+            lease.start(None)
             leases.append(lease)
         elif not isinstance(error, LockBusy):
             errors.append(error)
@@ -428,25 +427,25 @@ async def _take_all(
 _LATE: set[asyncio.Task[None]] = set()
 
 
-def _give_back_late(task: asyncio.Future[Lease]) -> None:
+def _give_back_late(task: asyncio.Future[Tenure]) -> None:
     """An attempt cancelled at the limit (or with its caller) that took the lock all the
     same: give the lease back (in the background)."""
     if task.cancelled() or task.exception() is not None:
         return
     lease = task.result()
-    lease._start(None)
+    lease.start(None)
     late = asyncio.ensure_future(_release_all([lease]))
     _LATE.add(late)
     late.add_done_callback(_LATE.discard)
 
 
-async def _release_all(leases: list[Lease]) -> None:
+async def _release_all(leases: list[Tenure]) -> None:
     """Give back every lease at once; each release is shielded and bounded, and a loss
     it reports is the Redlock's business, not an error here."""
 
-    async def one(lease: Lease) -> None:
+    async def one(lease: Tenure) -> None:
         with contextlib.suppress(LockLost):
-            await lease.release()
+            await lease.give_back()
 
     if leases:
         await asyncio.gather(*(one(lease) for lease in leases), return_exceptions=True)

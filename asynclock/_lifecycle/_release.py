@@ -15,15 +15,13 @@ import enum
 import logging
 import math
 from collections.abc import Coroutine
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 from redis.exceptions import AskError, MaxConnectionsError
 
 from .._base._events import LeaseEventKind
 from .._base._exceptions import LossReason
-from .._base._options import LeaseOptions
 from .._base._shield import finish, finish_idempotent
-from .._kinds._hold import Hold
 from .._kinds._mutex import Handoff, handoff_call, read_handoff, unregister
 from .._redis._scripts import (
     STORE,
@@ -33,43 +31,14 @@ from .._redis._scripts import (
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
 
-__all__ = ["Held", "Wake", "after_release", "let_go", "release", "release_storing", "unretain"]
+if TYPE_CHECKING:
+    from ._tenure import Tenure
+
+__all__ = ["Wake", "after_release", "let_go", "release", "release_storing", "unretain"]
 
 log = logging.getLogger("asynclock")
 
 _CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
-
-
-class Held(Protocol):
-    """A lease as its release sees it (``_lease.Lease`` is one): read here, changed only
-    by asking it (``_end``, ``_lose``, ``_event``). Loop times in seconds."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def token(self) -> str: ...
-    @property
-    def safe_until(self) -> float: ...
-    @property
-    def lost_reason(self) -> LossReason | None: ...
-    @property
-    def _companion(self) -> Companion: ...
-    @property
-    def _options(self) -> LeaseOptions: ...
-    @property
-    def _hold(self) -> Hold: ...  # its keys and scripts (see _kinds._hold)
-    @property
-    def _keep_until(self) -> float | None: ...  # hold_at_least: keep the key until then
-    @property
-    def _state_active(self) -> bool: ...
-
-    def _owner(self) -> str: ...
-    @property
-    def _asking(self) -> bool: ...  # (its slot migrates to its node: see _lease._moved)
-    def _follow(self, error: AskError) -> bool: ...  # (MOVED/ASK: to the node named)
-    def _event(self, kind: LeaseEventKind, detail: str = "") -> None: ...
-    def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
-    def _end(self) -> None: ...
 
 
 class Wake(enum.Enum):
@@ -80,7 +49,7 @@ class Wake(enum.Enum):
     # ours stands back a moment, then tries (and so learns how long to wait)
 
 
-async def release(held: Held, *, shielded: bool) -> Wake:
+async def release(held: Tenure, *, shielded: bool) -> Wake:
     """Stop renewing and release the key (shielded; every exchange ends within
     release_timeout), hand it to the next waiter of this client's line, or grant it to
     a waiter of another client. Returns whom to wake (see ``after_release``).
@@ -92,17 +61,17 @@ async def release(held: Held, *, shielded: bool) -> Wake:
     if held.lost_reason is LossReason.NOT_OWNER:
         return Wake.OURS  # the key is known not to be ours
     runs = 0
-    channel = held._options.channel
-    room = held._companion.room
+    channel = held.options.channel
+    room = held.companion.room
     # The next waiter in this client's line, if any, is handed the key directly.
     successor = room.head(channel)
     if successor is not None and (
-        successor.offered or successor.grant is not None or not held._hold.hands_over
+        successor.offered or successor.grant is not None or not held.hold.hands_over
     ):
         successor = None  # (only a plain lock's lease is handed over: see _kinds._hold)
-    t_offer = held._companion.loop.time()
+    t_offer = held.companion.loop.time()
     keep_ms = 0  # (hold_at_least: the key is kept this long rather than deleted)
-    keep_until = held._keep_until
+    keep_until = held.keep_until
     if keep_until is not None and keep_until > t_offer:
         keep_ms = math.ceil((keep_until - t_offer) * 1000)
         successor = None  # (nobody takes it before then)
@@ -118,7 +87,7 @@ async def release(held: Held, *, shielded: bool) -> Wake:
             room.in_use.add(behind.token)
         room.in_use.add(successor.token)
         room.set_registered(channel, True)
-    limit = held._options.release_timeout
+    limit = held.options.release_timeout
     deadline = t_offer + limit
 
     def release() -> Coroutine[Any, Any, _Outcome | None]:
@@ -144,21 +113,21 @@ async def release(held: Held, *, shielded: bool) -> Wake:
             held.name,
             exc,
         )
-        held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
+        held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
         return Wake.OURS
     if released is _Outcome.NOT_OURS:
-        if held._state_active:
-            held._lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
+        if held.live:
+            held.lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
     elif released is not None:
-        held._event(LeaseEventKind.RELEASED)
+        held.event(LeaseEventKind.RELEASED)
     if successor is not None and not room.waiting(channel) and room.registered(channel):
-        room.in_background(unregister(held._companion, held._options))  # line emptied
+        room.in_background(unregister(held.companion, held.options))  # line emptied
     if released is _Outcome.CONTESTED or released is _Outcome.GRANTED:
         return Wake.OTHERS
     return Wake.OURS
 
 
-async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
+async def release_storing(held: Tenure, keys: list[str], args: list[Arg]) -> bool | None:
     """Stop renewing a lease of ``once()`` and, in one owner-checked step, store its job's
     result and delete its key (the STORE script: ``keys``, and ``args`` after the
     lease's value), shielded, every exchange within ``release_timeout``. No waiter is
@@ -168,12 +137,12 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     one: see ``_release``); None if unknown (Redis did not answer: logged, the key expires
     by its TTL, and a duplicate may then run the job again).
     """
-    companion = held._companion
-    options = held._options
+    companion = held.companion
+    options = held.options
     limit = options.release_timeout
     deadline = companion.loop.time() + limit
-    full = [held._owner(), *args, options.channel, companion.room.origin]
-    asking = held._asking
+    full = [held.owner(), *args, options.channel, companion.room.origin]
+    asking = held.asking
     runs = 0
 
     async def store() -> tuple[object, bool]:
@@ -203,15 +172,15 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
             held.name,
             exc,
         )
-        held._event(LeaseEventKind.RELEASE_FAILED, repr(exc))
+        held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
         return None
     if reply == 1:
-        held._event(LeaseEventKind.RELEASED)
+        held.event(LeaseEventKind.RELEASED)
         return True
     if not first:
         return None  # (the first run may have stored it, and deleted the key)
-    if _proves_loss(held, first) and held._state_active:
-        held._lose(LossReason.NOT_OWNER)
+    if _proves_loss(held, first) and held.live:
+        held.lose(LossReason.NOT_OWNER)
     return False
 
 
@@ -226,7 +195,7 @@ class _Outcome(enum.Enum):
 
 
 async def _send_release(
-    held: Held,
+    held: Tenure,
     *,
     keep_ms: int,
     first: bool,
@@ -250,21 +219,21 @@ async def _send_release(
     Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``. With
     ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted.
     """
-    companion = held._companion
-    asking = held._asking
-    options = held._options
+    companion = held.companion
+    asking = held.asking
+    options = held.options
     room = companion.room
-    hold = held._hold
+    hold = held.hold
     if successor is None:
         script = hold.release
         keys = list(hold.keys)
-        args: list[Arg] = [held._owner(), options.channel, room.origin]
+        args: list[Arg] = [held.owner(), options.channel, room.origin]
         if keep_ms:
             args.append(keep_ms)
     else:
         request = handoff_call(
             options,
-            held._owner(),
+            held.owner(),
             successor,
             behind,
             room.origin,
@@ -278,10 +247,10 @@ async def _send_release(
         async with asyncio.timeout_at(deadline):
             reply = await script(companion.overflow(), keys, args, asking=asking)
     except AskError as moved:  # (MOVED too: its slot moved since the last renewal)
-        if not held._follow(moved):
+        if not held.follow(moved):
             raise
-        companion = held._companion
-        reply = await script(companion.lane, keys, args, deadline, asking=held._asking)
+        companion = held.companion
+        reply = await script(companion.lane, keys, args, deadline, asking=held.asking)
     except UNKNOWN_OUTCOME as exc:
         log.debug("release of %r failed (%r), retrying", held.name, exc)
         first = False
@@ -317,10 +286,10 @@ async def _send_release(
     return _Outcome.NOT_OURS if _proves_loss(held, first) else None
 
 
-def _proves_loss(held: Held, first: bool) -> bool:
+def _proves_loss(held: Tenure, first: bool) -> bool:
     """Whether a release's answer that the key was not ours, just received, proves the key
     went early: the first attempt's, received before ``safe_until`` (see ``_send_release``)."""
-    return first and held._companion.loop.time() < held.safe_until
+    return first and held.companion.loop.time() < held.deadline
 
 
 _LETTING_GO: set[asyncio.Task[None]] = set()  # see let_go()
@@ -344,15 +313,15 @@ async def unretain(companion: Companion) -> None:
             log.debug("closing side connections failed: %r", exc)
 
 
-async def after_release(held: Held, wake: Wake) -> None:
+async def after_release(held: Tenure, wake: Wake) -> None:
     """After ``release`` (whatever its outcome): mark the lease ended, wake the waiters
     ``wake`` says, and let go of the companion."""
-    held._end()
-    room = held._companion.room
+    held.end()
+    room = held.companion.room
     if room.in_use:  # (a grant to its token from now on is given back)
         room.in_use.discard(held.token)
     if wake is Wake.OTHERS:
-        room.wake_with_others(held._options.channel)
+        room.wake_with_others(held.options.channel)
     else:
-        room.wake(held._options.channel)
-    await unretain(held._companion)
+        room.wake(held.options.channel)
+    await unretain(held.companion)

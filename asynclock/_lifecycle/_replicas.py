@@ -39,12 +39,12 @@ from .._session._connections import Companion
 from ._release import Wake, after_release, release
 
 if TYPE_CHECKING:
-    from ._lease import Lease
+    from ._tenure import Tenure
 
 __all__ = ["confirm_replicas"]
 
 
-async def confirm_replicas(held: Lease) -> None:
+async def confirm_replicas(held: Tenure) -> None:
     """Have ``held``'s ``min_replicas`` replicas confirm it, or give it back.
 
     Raises:
@@ -57,7 +57,7 @@ async def confirm_replicas(held: Lease) -> None:
         redis.exceptions.ResponseError: ``wait_aof`` on a server without ``WAITAOF``
             (before 7.2); the lease was given back.
     """
-    options = held._options
+    options = held.options
     wanted = options.min_replicas
     commands = options.confirmation(wanted, options.replica_wait_ms)
     wait_ms = options.replica_wait_ms * options.confirmation_steps  # (the most in all)
@@ -94,22 +94,20 @@ _NOT_OURS = -2
 
 
 async def _renew_and_wait(
-    held: Lease, commands: tuple[tuple[str | int, ...], ...], wait_ms: int
+    held: Tenure, commands: tuple[tuple[str | int, ...], ...], wait_ms: int
 ) -> int:
     """Renew ``held`` and ``WAIT`` (or ``WAITAOF``) behind it on one connection: the
     replicas that acknowledged, or ``_NOT_OURS`` if the renewal found the key not ours.
     Raises the error reply of either command (READONLY after a failover, say)."""
-    companion = held._companion
-    packed = b"".join(
-        (held._renew_head, held._renew_tail(), *(companion.pack(*c) for c in commands))
-    )
+    companion = held.companion
+    packed = b"".join((held.renew_head, held.renew_tail(), *(companion.pack(*c) for c in commands)))
     count = 1 + len(commands)
     # (on the lane: its connections stay open while leases come and go, where a pool
     # of our own would be closed with the last lease and reopened by the next)
     replies = await _send(companion, packed, count, wait_ms)
     if isinstance(replies[0], NoScriptError):  # (a fresh or restarted server)
         with connection_errors():
-            await companion.client.script_load(held._renew_script.source)
+            await companion.client.script_load(held.renew_script.source)
         replies = await _send(companion, packed, count, wait_ms)
     for reply in replies:
         if isinstance(reply, BaseException):
@@ -136,9 +134,9 @@ async def _send(companion: Companion, packed: bytes, count: int, wait_ms: int) -
 _MARGIN = 0.5  # seconds beyond WAIT's own for the exchange around it
 
 
-async def _give_back(held: Lease) -> None:
+async def _give_back(held: Tenure) -> None:
     """Release ``held`` at once, shielded, as an acquisition that did not count."""
-    held._not_confirmed()
+    held.not_confirmed()
     wake = Wake.OURS
     try:
         wake = await release(held, shielded=False)

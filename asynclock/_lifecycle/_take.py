@@ -37,9 +37,9 @@ from .._kinds._shared import Shared
 from .._redis._cluster import node_client, reload_slots
 from .._redis._lane import not_sent
 from .._session._connections import Companion, companion_for
-from ._lease import Lease
 from ._release import let_go, unretain
 from ._replicas import confirm_replicas
+from ._tenure import Tenure
 
 __all__ = ["begin", "take"]
 
@@ -48,7 +48,7 @@ log = logging.getLogger("asynclock")
 
 async def take(
     redis: Client, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
-) -> Lease:
+) -> Tenure:
     """Acquire the lock of ``options`` (by the engine, ``_kinds._engine``; ``job``: for
     ``once()``): the held lease, not yet watched (the caller starts it without awaiting
     first), and, with ``min_replicas``, confirmed by that many replicas (``_replicas``)."""
@@ -68,7 +68,7 @@ async def begin(
     job: Job | None = None,
     *,
     block: bool = False,
-) -> Lease:
+) -> Tenure:
     """The start of a lease, the same for every way in (``lease()``, ``acquire()``,
     ``once()``): ``take`` it, start it (its watchdog; ``block``: an ``async with`` block's,
     whose cancel scope, entered here in the caller's task, a loss cancels) and report
@@ -88,9 +88,9 @@ async def begin(
         raise
     scope = None
     if block:
-        scope = held._companion.cancel_scope()
+        scope = held.companion.cancel_scope()
         scope.__enter__()  # (no await since the grant: see take)
-    held._start(scope, waited=loop.time() - t_call)
+    held.start(scope, waited=loop.time() - t_call)
     return held
 
 
@@ -101,7 +101,7 @@ _SLOT_PAUSE_MOST = 0.5  # seconds: the longest pause between those retries
 
 async def _take_on_cluster(
     cluster: RedisCluster, options: LeaseOptions, hook: EventHook | None, job: Job | None
-) -> Lease:
+) -> Tenure:
     """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
     ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
     tries again (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating),
@@ -154,7 +154,7 @@ async def _take_on_cluster(
 
 async def _take(
     redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None
-) -> Lease:
+) -> Tenure:
     """``take()`` on one server, by the engine (``_kinds._engine``) with the options'
     kind: the lease on the key the grant holds."""
     companion = companion_for(redis)
@@ -178,7 +178,7 @@ async def _take(
     hold = kind.holding(token, grant)
     # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
     suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
-    return Lease(hold, companion, token, grant.fencing_token, grant.t_send, hook, suffix)
+    return Tenure(hold, companion, token, grant.fencing_token, grant.t_send, hook, suffix)
 
 
 def _kind(options: LeaseOptions, companion: Companion, job: Job | None) -> Kind:

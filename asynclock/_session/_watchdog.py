@@ -80,41 +80,41 @@ _NONE_ASKED: Final = _Confirmed(0, 0.0, None)  # (a batch without min_replicas)
 
 
 class Watched(Protocol):
-    """A held lease as the watchdog sees it (``_lease.Lease`` is one). The lease owns
-    all of this state: the watchdog reads it, and changes it only by asking (``_watch``,
-    ``_confirm``, ``_suspect``, ``_on_deadline``, ...). Loop times and seconds."""
+    """A held lease as the watchdog sees it (``_lifecycle._tenure.Tenure`` is one). The
+    lease owns all of this state: the watchdog reads it, and changes it only by asking
+    (``watch``, ``confirm``, ``suspect``, ``on_deadline``, ...). Loop times and seconds."""
 
     @property
     def name(self) -> str: ...
     @property
     def ttl(self) -> float: ...
     @property
-    def _options(self) -> LeaseOptions: ...
+    def options(self) -> LeaseOptions: ...
     @property
-    def _active(self) -> bool: ...
+    def active(self) -> bool: ...
     @property
-    def _due(self) -> float | None: ...  # set by _watch: when the watchdog looks next
+    def due(self) -> float | None: ...  # set by watch: when the watchdog looks next
     @property
-    def _backoff(self) -> float | None: ...  # set by _note_backoff
+    def backoff(self) -> float | None: ...  # set by note_backoff
     @property
-    def _safe_until(self) -> float: ...
+    def deadline(self) -> float: ...  # the safe deadline (``Lease.safe_until``)
 
-    def _watch(self, due: float | None) -> None: ...
-    def _note_backoff(self, backoff: float) -> None: ...
+    def watch(self, due: float | None) -> None: ...
+    def note_backoff(self, backoff: float) -> None: ...
     @property
-    def _renew_script(self) -> Script: ...  # the kind's renew script (reloaded on NOSCRIPT)
+    def renew_script(self) -> Script: ...  # the kind's renew script (reloaded on NOSCRIPT)
     @property
-    def _renew_head(self) -> bytes: ...  # its packed EVALSHA command up to the key
-    def _renew_tail(self) -> bytes: ...  # the rest: the lease's own keys and arguments
+    def renew_head(self) -> bytes: ...  # its packed EVALSHA command up to the key
+    def renew_tail(self) -> bytes: ...  # the rest: the lease's own keys and arguments
     @property
-    def _asking(self) -> bool: ...  # its renewal goes after ASKING (see _lease._moved)
-    def _confirm(self, t_send: float, safe_until: float | None = None) -> bool: ...
-    def _moved(self, error: AskError) -> bool: ...  # MOVED/ASK: True if it moved there
-    def _found_not_ours(self) -> None: ...
-    def _suspect(self, cause: BaseException) -> None: ...
-    def _on_deadline(self, cause: BaseException | None = None) -> None: ...
-    def _fail(self, cause: BaseException) -> None: ...
-    def _lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
+    def asking(self) -> bool: ...  # its renewal goes after ASKING (see Tenure.moved)
+    def confirm(self, t_send: float, safe_until: float | None = None) -> bool: ...
+    def moved(self, error: AskError) -> bool: ...  # MOVED/ASK: True if it moved there
+    def found_not_ours(self) -> None: ...
+    def suspect(self, cause: BaseException) -> None: ...
+    def on_deadline(self, cause: BaseException | None = None) -> None: ...
+    def fail(self, cause: BaseException) -> None: ...
+    def lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
 
 
 def report_stall(lease: Watched, due: float, now: float, what: str) -> None:
@@ -163,7 +163,7 @@ class Watchdog:
     def schedule(self, lease: Watched, due: float) -> None:
         """Look at ``lease`` at loop time ``due``: renew it then, or declare it lost if its
         ``safe_until`` has passed by then. Only for a lease not already waiting."""
-        lease._watch(due)
+        lease.watch(due)
         self._timeline.add(due, [lease])
 
     def idle(self) -> None:
@@ -200,16 +200,16 @@ class Watchdog:
                 break
             heapq.heappop(entries)
             for i, lease in enumerate(group):
-                if lease._due is not due or not lease._active:
+                if lease.due is not due or not lease.active:
                     continue  # rescheduled since, or ended (the lease's own float marks it)
                 if len(batch) >= _BATCH:
                     timeline.push(due, group[i:])  # the rest goes in the next batch
                     break
-                lease._watch(None)
+                lease.watch(None)
                 try:
-                    if lease._safe_until <= now:
-                        lease._on_deadline()
-                    elif due >= lease._safe_until:
+                    if lease.deadline <= now:
+                        lease.on_deadline()
+                    elif due >= lease.deadline:
                         early.append(lease)  # a deadline check, not a renewal: not yet
                     else:
                         report_stall(lease, due, now, "the renewal")
@@ -217,8 +217,8 @@ class Watchdog:
                 except Exception as exc:  # (a logging handler, say): lost, never unwatched
                     _failed(lease, exc)
         for lease in early:
-            due = lease._safe_until
-            lease._watch(due)
+            due = lease.deadline
+            lease.watch(due)
             timeline.push(due, [lease])
         timeline.rearm(now)
         if batch:
@@ -228,11 +228,11 @@ class Watchdog:
         """Send ``batch``: those waiting for replicas travel apart (WAIT holds its
         connection), and those waiting for append-only files apart again (WAITAOF
         counts fewer)."""
-        confirmed = [lease for lease in batch if lease._options.min_replicas]
+        confirmed = [lease for lease in batch if lease.options.min_replicas]
         if confirmed:
-            batch = [lease for lease in batch if not lease._options.min_replicas]
+            batch = [lease for lease in batch if not lease.options.min_replicas]
             for aof in (False, True):
-                group = [lease for lease in confirmed if lease._options.wait_aof is aof]
+                group = [lease for lease in confirmed if lease.options.wait_aof is aof]
                 if group:
                     self._launch(group)
         if batch:
@@ -266,15 +266,15 @@ class Watchdog:
         # per ttl for the new deadline and the next due time.
         renewed: dict[float, tuple[float, list[Watched]]] = {}
         for lease, reply in zip(batch, replies, strict=True):
-            if not lease._active:
+            if not lease.active:
                 continue
             try:
                 if self._answered(lease, reply, confirmed):
                     ttl = lease.ttl
                     found = renewed.get(ttl)
                     if found is None:
-                        found = renewed[ttl] = (lease._options.safe_until(t_send), [])
-                    if lease._confirm(t_send, found[0]):
+                        found = renewed[ttl] = (lease.options.safe_until(t_send), [])
+                    if lease.confirm(t_send, found[0]):
                         found[1].append(lease)
             except Exception as exc:  # (an on_event hook is guarded; a log handler is not)
                 _failed(lease, exc)
@@ -295,7 +295,7 @@ class Watchdog:
         """Act on one lease's renew reply; returns whether it renewed the lease (to be
         confirmed by the caller): else the lease was told what happened (moved, refused,
         to be retried, or not ours)."""
-        if isinstance(reply, AskError) and lease._moved(reply):
+        if isinstance(reply, AskError) and lease.moved(reply):
             return False  # (MOVED too: its slot is elsewhere now, renewed there at once)
         if isinstance(reply, BaseException):
             if is_refusal(reply):
@@ -304,14 +304,14 @@ class Watchdog:
                 self._retry(lease, reply)
             return False
         if reply != 1:
-            lease._found_not_ours()
+            lease.found_not_ours()
             return False
         if confirmed.error is not None and is_refusal(confirmed.error):
             _refused(lease, confirmed.error)  # (WAIT refused)
             return False
-        if lease._options.min_replicas > confirmed.acked:
+        if lease.options.min_replicas > confirmed.acked:
             # renewed on the primary, not confirmed by enough replicas: failed
-            wanted, acked = lease._options.min_replicas, confirmed.acked
+            wanted, acked = lease.options.min_replicas, confirmed.acked
             short = ReplicationTimeout(lease.name, wanted, acked, confirmed.wait)
             short.__cause__ = confirmed.error  # (WAITAOF refused, say)
             self._retry(lease, short)
@@ -320,7 +320,7 @@ class Watchdog:
 
     def _schedule_group(self, leases: list[Watched], due: float) -> None:
         for lease in leases:
-            lease._watch(due)
+            lease.watch(due)
         self._timeline.add(due, leases)
 
     async def _send(self, batch: list[Watched]) -> tuple[float, list[object], _Confirmed]:
@@ -332,23 +332,23 @@ class Watchdog:
         after sending, if sooner)."""
         loop = self._loop
         t_send = loop.time()
-        earliest = min(lease._safe_until for lease in batch)
+        earliest = min(lease.deadline for lease in batch)
         limit_at = min(earliest, t_send + min(lease.ttl for lease in batch) / 3)
         client = self._renewer()
         parts: list[bytes] = []
         asked: list[int] = []  # (where the replies of ASKING come, to drop them)
         for i, lease in enumerate(batch):  # (each lease's kind says how it is renewed)
-            if lease._asking:
+            if lease.asking:
                 asked.append(i + len(asked))  # (after i renewals and the ASKINGs before)
                 parts.append(ASKING)
-            parts += (lease._renew_head, lease._renew_tail())
+            parts += (lease.renew_head, lease.renew_tail())
         count = len(batch) + len(asked)
-        wanted = max(lease._options.min_replicas for lease in batch)
+        wanted = max(lease.options.min_replicas for lease in batch)
         steps, wait_ms = 1, 0
         if wanted:  # (see _lifecycle/_replicas: WAIT confirms every write before it)
-            options = batch[0]._options  # (all of the batch wait_aof or none: see _fire)
+            options = batch[0].options  # (all of the batch wait_aof or none: see _fire)
             steps = options.confirmation_steps
-            wait_ms = min(lease._options.replica_wait_ms for lease in batch)
+            wait_ms = min(lease.options.replica_wait_ms for lease in batch)
             wait_ms = max(1, min(wait_ms, int((limit_at - t_send) * 500) // steps))  # half
             for command in options.confirmation(wanted, wait_ms):
                 parts.append(pack(command, "utf-8", "strict"))
@@ -361,7 +361,7 @@ class Watchdog:
             for index in reversed(asked):
                 del replies[index]
             forgotten = {
-                lease._renew_script.source: None
+                lease.renew_script.source: None
                 for lease, reply in zip(batch, replies[: len(batch)], strict=True)
                 if isinstance(reply, NoScriptError)
             }
@@ -393,33 +393,33 @@ class Watchdog:
     def _retry(self, lease: Watched, error: BaseException) -> None:
         """The outcome is unknown: SUSPECT, and try again shortly while time remains; with
         no time left for a retry, wait for the deadline itself."""
-        if not lease._active:
+        if not lease.active:
             return
         now = self._loop.time()
-        if now >= lease._safe_until:
-            lease._on_deadline(error)
+        if now >= lease.deadline:
+            lease.on_deadline(error)
             return
-        lease._suspect(error)
-        backoff = lease._backoff or min(lease.ttl / 30, 0.05)
-        lease._note_backoff(min(backoff * 2, lease.ttl / 10, 1.0))
+        lease.suspect(error)
+        backoff = lease.backoff or min(lease.ttl / 30, 0.05)
+        lease.note_backoff(min(backoff * 2, lease.ttl / 10, 1.0))
         pause = backoff * random.uniform(0.5, 1.0)
-        self.schedule(lease, min(now + pause, lease._safe_until))
+        self.schedule(lease, min(now + pause, lease.deadline))
 
 
 def _refused(lease: Watched, error: BaseException) -> None:
     """The server's ACL refused the renewal of ``lease`` (see :func:`is_refusal`): lost at
     once, the refusal explained (naming the missing rule) as the cause."""
     what = f"the renewal of lease {lease.name!r}"
-    _failed(lease, explain(error, what, lease._renew_script.source))
+    _failed(lease, explain(error, what, lease.renew_script.source))
 
 
 def _failed(lease: Watched, error: BaseException) -> None:
     """The watchdog's own handling of ``lease`` raised: the lease is lost
     (``watchdog_failed``), never left unwatched, even if reporting that raises too."""
     try:
-        lease._fail(error)
+        lease.fail(error)
     except Exception:
-        lease._lose(LossReason.WATCHDOG_FAILED, error)  # (no-op if _fail got that far)
+        lease.lose(LossReason.WATCHDOG_FAILED, error)  # (no-op if _fail got that far)
 
 
 class _InFlight:
@@ -430,7 +430,7 @@ class _InFlight:
     that can come late. This timer declares each lease lost at its ``safe_until`` directly
     (a timer callback, as fast as a timer of the lease's own) while the batch is in
     flight, and goes away with the batch. A lease still in flight is one with no
-    schedule (``_due is None``) that is still active."""
+    schedule (``due is None``) that is still active."""
 
     __slots__ = ("_batch", "_loop", "_timer")
 
@@ -440,7 +440,7 @@ class _InFlight:
         self._loop = loop
         self._batch = batch
         self._timer: asyncio.TimerHandle | None = loop.call_at(
-            min(lease._safe_until for lease in batch), self._check
+            min(lease.deadline for lease in batch), self._check
         )
         task.add_done_callback(self._done)
 
@@ -448,21 +448,21 @@ class _InFlight:
         now = self._loop.time()
         earliest = math.inf
         for lease in self._batch:
-            if lease._due is not None or not lease._active:
+            if lease.due is not None or not lease.active:
                 continue  # back on the timeline, or ended
-            if lease._safe_until <= now:
+            if lease.deadline <= now:
                 try:
-                    lease._on_deadline()
+                    lease.on_deadline()
                 except Exception as exc:  # (a logging handler, say)
                     _failed(lease, exc)
             else:
-                earliest = min(earliest, lease._safe_until)
+                earliest = min(earliest, lease.deadline)
         self._timer = None if earliest == math.inf else self._loop.call_at(earliest, self._check)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         """The batch ended: its leases are back on the timeline or ended, and the timer
         goes; should one have been left neither (a bug), it stays to declare the loss."""
-        if any(lease._due is None and lease._active for lease in self._batch):
+        if any(lease.due is None and lease.active for lease in self._batch):
             return
         if self._timer is not None:
             self._timer.cancel()
