@@ -45,11 +45,8 @@ class LeaseEventKind(enum.StrEnum):
     RELEASED = "released"
     RELEASE_FAILED = "release_failed"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class LeaseEvent:
     """One thing that happened to a lease.
 
@@ -72,46 +69,6 @@ class LeaseEvent:
     held: float | None = None
     latency: float | None = None
     slack: float | None = None
-
-    def __init__(
-        self,
-        kind: LeaseEventKind,
-        name: str,
-        fencing_token: int,
-        at: float,
-        safe_until: float,
-        detail: str = "",
-        waited: float | None = None,
-        held: float | None = None,
-        latency: float | None = None,
-        slack: float | None = None,
-    ) -> None:
-        # (the slots set directly: a frozen dataclass's own __init__ goes through
-        # object.__setattr__ field by field, twice as slow, on every lease with hooks)
-        _SET_KIND(self, kind)
-        _SET_NAME(self, name)
-        _SET_FENCING_TOKEN(self, fencing_token)
-        _SET_AT(self, at)
-        _SET_SAFE_UNTIL(self, safe_until)
-        _SET_DETAIL(self, detail)
-        _SET_WAITED(self, waited)
-        _SET_HELD(self, held)
-        _SET_LATENCY(self, latency)
-        _SET_SLACK(self, slack)
-
-
-(
-    _SET_KIND,
-    _SET_NAME,
-    _SET_FENCING_TOKEN,
-    _SET_AT,
-    _SET_SAFE_UNTIL,
-    _SET_DETAIL,
-    _SET_WAITED,
-    _SET_HELD,
-    _SET_LATENCY,
-    _SET_SLACK,
-) = (getattr(LeaseEvent, field).__set__ for field in LeaseEvent.__slots__)
 
 
 EventHook = Callable[[LeaseEvent], object]

@@ -58,9 +58,6 @@ class LossReason(enum.StrEnum):
     """The lease was held for its ``max_hold`` seconds: taken away from a holder that is
     alive and renewing, so that no holder keeps the lock longer than that."""
 
-    def __str__(self) -> str:
-        return self.value
-
 
 class LockError(Exception):
     """Base class of every error asynclock raises on purpose."""

@@ -18,13 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine
+from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ["cancel_dropped", "cancelling", "finish", "finish_idempotent"]
+__all__ = ["ExcType", "Traceback", "cancel_dropped", "cancelling", "finish", "finish_idempotent"]
 
 T = TypeVar("T")
+
+ExcType = type[BaseException] | None
+"""The exception type an ``__aexit__`` is given (None: its block finished)."""
+Traceback = TracebackType | None
+"""The traceback an ``__aexit__`` is given."""
 
 
 def cancelling() -> int:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from types import TracebackType
 from typing import TypedDict, Unpack, cast, overload
 
 from redis.asyncio.cluster import RedisCluster
 
 from .._base._events import EventHook
 from .._base._options import KEYWORDS, Client, LeaseOptions
+from .._base._shield import ExcType, Traceback
 from .._session._connections import HoldEntry
 from ._lease import Lease, LeaseState
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
@@ -55,12 +55,7 @@ class LeaseContext:
         self._entry = held.companion.holding(held.options.base_key)  # (any kind's)
         return Lease(held)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         held = self._lease
         if held is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")

@@ -8,13 +8,13 @@ so the library's modules work on the tenure and the holder sees only what is pro
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Final, final
 
 import anyio
 import anyio.lowlevel
 
 from .._base._exceptions import LossReason
+from .._base._shield import ExcType, Traceback
 from .._session._connections import HoldEntry
 from ._tenure import ACTIVE, LeaseState, Tenure
 
@@ -178,12 +178,7 @@ class LeaseGuard:
         self._entry = held.companion.holding(held.options.base_key)
         return self._lease
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         held = self._lease._tenure
         scope = self._scope
         if scope is None or not held.close_guard(scope):

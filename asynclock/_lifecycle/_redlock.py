@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Sequence
-from types import TracebackType
 
 import anyio
 from redis.asyncio import Redis
@@ -38,6 +37,7 @@ from redis.asyncio import Redis
 from .._base._events import EventHook, LeaseEvent, LeaseEventKind, alone, emit
 from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
+from .._base._shield import ExcType, Traceback
 from .._session._connections import HoldEntry, companion_for
 from ._take import take
 from ._tenure import LeaseState, Tenure
@@ -268,12 +268,7 @@ class _Guard:
         self._entries = lock._holding()
         return lock
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         lock = self._lock
         for lease, entry in self._entries:
             lease.companion.left(entry)
@@ -304,12 +299,7 @@ class RedlockContext:
         await self._guard.__aenter__()
         return self._lock
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         lock, guard = self._lock, self._guard
         assert lock is not None
         assert guard is not None

@@ -74,9 +74,6 @@ class LeaseState(enum.StrEnum):
     RELEASED = "released"
     """Given back: the block exited, or ``release()`` was called."""
 
-    def __str__(self) -> str:
-        return self.value
-
 
 ACTIVE: Final = (LeaseState.HELD, LeaseState.SUSPECT)
 """The states in which a lease is held."""

@@ -323,31 +323,27 @@ async def _round_trip(connection: Any, packed: bytes, count: int = 1) -> object:
     try:
         await connection.send_packed_command(packed, check_health=False)
         if count == 1:
-            try:
-                return await connection.read_response()
-            except ResponseError as error:
-                return error
-            except AuthenticationError as error:  # (NOAUTH: the command did not run)
-                mark_not_sent(error)
-                raise
-            except valkey_errors() as error:
-                return _valkey_reply(error)
-        replies: list[object] = []
-        for _ in range(count):
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as error:
-                replies.append(error)
-            except AuthenticationError as error:
-                mark_not_sent(error)
-                raise
-            except valkey_errors() as error:
-                replies.append(_valkey_reply(error))
-        return replies
+            return await _reply(connection)
+        return [await _reply(connection) for _ in range(count)]
     except AttributeError as error:  # (a dropped connection, on some Pythons: _compat)
         raise as_connection_error(error)  # noqa: B904 (chained by as_connection_error)
     except valkey_errors() as error:  # (a valkey-py connection's: see _valkey)
         raise as_redis_error(error) from error.__cause__
+
+
+async def _reply(connection: Any) -> object:
+    """The next reply read on ``connection``: an error reply (NOSCRIPT, READONLY, OOM,
+    ...) is given in its place, as redis-py's and valkey-py's alike; a NOAUTH, whose
+    command did not run, is raised marked as not sent."""
+    try:
+        return await connection.read_response()
+    except ResponseError as error:
+        return error
+    except AuthenticationError as error:  # (NOAUTH: the command did not run)
+        mark_not_sent(error)
+        raise
+    except valkey_errors() as error:
+        return _valkey_reply(error)
 
 
 def _valkey_reply(error: BaseException) -> object:
@@ -384,18 +380,7 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
         raise error  # noqa: B904 (chained by as_max_connections_error)
     try:
         await connection.send_packed_command(packed)
-        replies: list[object] = []
-        for _ in range(count):
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as error:
-                replies.append(error)
-            except AuthenticationError as error:  # (NOAUTH: the command did not run)
-                mark_not_sent(error)
-                raise
-            except valkey_errors() as error:
-                replies.append(_valkey_reply(error))
-        return replies
+        return [await _reply(connection) for _ in range(count)]
     except BaseException as exc:
         # At once: a graceful close could wait for the peer, and a renewal in flight must
         # end by its lease's deadline.
