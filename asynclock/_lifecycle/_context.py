@@ -23,12 +23,11 @@ from .._base._events import EventHook
 from .._base._options import KEYWORDS, Client, LeaseOptions
 from .._base._shield import ExcType, Traceback
 from .._session._connections import HoldEntry
-from ._lease import Lease, LeaseState
+from ._lease import Lease, LeaseState, Tenure
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
 from ._release import Wake, after_release
 from ._release import release as release_lease
 from ._take import begin
-from ._tenure import Tenure
 
 __all__ = ["HoldKeywords", "LeaseContext", "LeaseKeywords", "acquire", "lease"]
 

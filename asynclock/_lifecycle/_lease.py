@@ -1,24 +1,596 @@
-"""The holder's handle of a lease: ``Lease``, and its ``guard()``.
+"""The lease: one acquisition of one lock, held (renewed by the watchdog, its deadline
+watched) until it is given back.
 
-Design note. ``Lease`` is what ``async with lease(...)`` yields and ``acquire()``
-returns: the public API over the lease's tenure (``_tenure.Tenure``), which owns the
-lease's state and the machinery that keeps and ends it. The handle holds nothing else,
-so the library's modules work on the tenure and the holder sees only what is promised.
+Design note. A lease is two objects. :class:`Tenure` owns everything about one
+acquisition: its state (``LeaseState``) and loss, its safe deadline, its key's value,
+its companion (the client's side connections, see ``_session._connections``), the
+watchdog's bookkeeping, the block's cancel scope or the open guards' scopes. The
+watchdog (``_session._watchdog``, through its ``Watched`` view), the release
+(``_release``), the ways in (``_take``, ``_context``, ``_redlock``, ``once()``) and the
+replicas' confirmation work on it, through its public members. The holder sees
+:class:`Lease`, a handle over it that offers the public API only (and :class:`LeaseGuard`).
+
+A lease is held in one of two forms. ``async with lease(...)`` (see ``_context``) enters
+a cancel scope around the body: when the lease is lost the scope is cancelled, which
+cancels the body and every task it started in task groups under it. A lease from
+``acquire()`` has no body: it is held without a task of the caller's until
+``release()``, and work done under it is guarded stretch by stretch with
+``async with lease.guard():``, a cancel scope of its own that a loss cancels the same
+way. Either way the watchdog runs apart from the guarded code and never raises (its
+failures become ``LOST``), so the user never sees an ``ExceptionGroup`` for a single
+failure. What the tenure renews and releases (its keys and scripts) is its kind's
+``Hold`` (``_kinds._hold``): it never branches on its kind.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import enum
+import logging
+import sys
+from collections.abc import Awaitable, Callable
 from typing import Final, final
 
 import anyio
 import anyio.lowlevel
+from redis.exceptions import AskError, MovedError
 
-from .._base._exceptions import LossReason
-from .._base._shield import ExcType, Traceback
-from .._session._connections import HoldEntry
-from ._tenure import ACTIVE, LeaseState, Tenure
+from .._base._events import EventHook, LeaseEventKind, hooks, report
+from .._base._exceptions import LockLost, LossReason
+from .._base._shield import ExcType, Traceback, cancel_dropped, cancelling
+from .._kinds._hold import Hold
+from .._redis._cluster import cluster_of, node_at
+from .._redis._scripts import (
+    Arg,
+    Script,
+    run_idempotent,
+    unpack_arg,
+)
+from .._session._connections import Companion, HoldEntry, companion_for
+from .._session._watchdog import report_stall
+from ._release import Wake, after_release, let_go, release_storing
+from ._release import release as release_lease
 
-__all__ = ["Lease", "LeaseGuard", "LeaseState"]
+__all__ = ["Lease", "LeaseGuard", "LeaseState", "Tenure"]
+
+log = logging.getLogger("asynclock")
+
+# Compared in Redis: whatever bytes the key holds, the reply is an integer, which a
+# client of any decode mode reads (a value that is not valid text would fail to decode).
+_IS_OURS: Final = Script(
+    "is_ours", "if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end return 0"
+)
+
+
+class LeaseState(enum.StrEnum):
+    """Where a lease stands. ``LOST`` and ``RELEASED`` are terminal."""
+
+    HELD = "held"
+    """Held, and the last renewal was confirmed."""
+    SUSPECT = "suspect"
+    """A renewal is failing but the safe deadline has not passed; still held."""
+    LOST = "lost"
+    """Lost (see ``Lease.lost_reason``): the block, or the open guards, were cancelled."""
+    RELEASED = "released"
+    """Given back: the block exited, or ``release()`` was called."""
+
+
+_ACTIVE: Final = (LeaseState.HELD, LeaseState.SUSPECT)
+
+
+@final
+class Tenure:
+    """One held lease: its state and its machinery (see the design note). Loop times and
+    seconds; ``deadline`` is the lease's safe deadline (``Lease.safe_until``)."""
+
+    __slots__ = (
+        "_max_hold_timer",
+        "acquired_at",
+        "asking",
+        "backoff",
+        "closing",
+        "companion",
+        "deadline",
+        "due",
+        "fencing_token",
+        "guards",
+        "hold",
+        "hook",
+        "keep_until",
+        "last_send",
+        "lost_cause",
+        "lost_reason",
+        "options",
+        "released",
+        "scope",
+        "state",
+        "value",
+    )
+
+    def __init__(
+        self,
+        hold: Hold,
+        companion: Companion,
+        token: str,
+        fencing_token: int,
+        t_send: float,
+        hook: EventHook | None,
+        suffix: str = "",
+    ) -> None:
+        options = hold.options
+        self.options = options
+        self.hold = hold  # (its keys and scripts: the lease never branches on its kind)
+        self.companion = companion
+        self.hook = hook
+        self.fencing_token: Final = fencing_token
+        """Strictly greater than every fencing token issued before for this name."""
+        # The key's value, "<token>:<fencing token>" (the token is kept only in here).
+        # Packed into the renew command's arguments at the first renewal (see renew_tail).
+        # (``suffix``: a job's fingerprint, ":<digest>", kept in the value while it runs)
+        self.value: str | bytes = f"{token}:{fencing_token}{suffix}"
+        self.last_send = t_send
+        self.acquired_at = t_send  # (for the hold time events report)
+        self.deadline = options.safe_until(t_send)
+        # With hold_at_least, the loop time before which a release keeps the key.
+        least = options.hold_at_least
+        self.keep_until = t_send + least if least else None
+        self.state = LeaseState.HELD
+        self.lost_reason: LossReason | None = None
+        self.lost_cause: BaseException | None = None
+        self.scope: anyio.CancelScope | None = None  # the block's, while it runs
+        # The open guards' scopes for a lease of acquire() (None for a block's lease).
+        self.guards: tuple[anyio.CancelScope, ...] | None = None
+        self.due: float | None = None  # when the watchdog renews next (loop time)
+        self.backoff: float | None = None  # seconds before the next retry while SUSPECT
+        self.closing = False
+        self.asking = False  # renewed after ASKING (its slot migrates here: see moved)
+        self.released: asyncio.Event | None = None  # set once release() has finished
+        self._max_hold_timer: asyncio.TimerHandle | None = None  # (max_hold: see start)
+
+    # -- what the handle (``_lease.Lease``) asks ---------------------------------------
+
+    @property
+    def token(self) -> str:
+        """The random token (128 bits, hex) identifying this lease in Redis."""
+        return self.owner().partition(":")[0]
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def ttl(self) -> float:
+        return self.options.ttl
+
+    def current_state(self) -> LeaseState:
+        """``state``, but ``LOST`` as soon as the safe deadline has passed (before a
+        stalled loop has run the deadline's timer)."""
+        return LeaseState.LOST if self.past_deadline() else self.state
+
+    @property
+    def time_left(self) -> float:
+        """Seconds left before the safe deadline; 0.0 once lost, released or past it."""
+        if self.state not in _ACTIVE:
+            return 0.0
+        return max(0.0, self.deadline - self.companion.loop.time())
+
+    async def is_held(self, verify: bool) -> bool:
+        """``Lease.is_held``."""
+        await anyio.lowlevel.checkpoint()
+        if not self.held_locally():
+            return False
+        if not verify:
+            return True
+        before = cancelling()
+        keys, args = [self.options.key], [self.owner()]
+        async with asyncio.timeout(self.time_left):
+            try:
+                if self.asking:  # (its slot is migrating to its node: see moved)
+                    ours = await _IS_OURS(self.companion.client, keys, args, asking=True)
+                else:
+                    companion = self.companion
+                    ours = await run_idempotent(
+                        _IS_OURS, companion.client, companion.overflow, keys, args
+                    )
+            except AskError as moved:  # (MOVED too: the slot moved; see moved)
+                if not self.follow(moved):
+                    raise
+                client = self.companion.client
+                ours = await _IS_OURS(client, keys, args, asking=self.asking)
+        if cancel_dropped(before):
+            raise asyncio.CancelledError
+        if ours != 1:
+            self.found_not_ours()
+            return False
+        return self.held_locally()
+
+    async def extend(self) -> None:
+        """``Lease.extend``."""
+        self.check_not_released()
+        if not self.held_locally():
+            raise self.loss_error()
+        before = cancelling()
+        try:
+            renewed = await self.renew_once(self.time_left)
+        except Exception:
+            self.check_not_released()  # (the release may have closed its connection)
+            raise
+        if cancel_dropped(before):
+            raise asyncio.CancelledError
+        if not renewed:
+            self.check_not_released()  # given back while the renewal was in flight
+            raise self.loss_error()
+
+    def check_not_released(self) -> None:
+        if self.closing and self.state is not LeaseState.LOST:
+            raise RuntimeError(f"the lease {self.name!r} has been released")
+
+    async def give_back(self, give: Callable[[Tenure], Awaitable[Wake]] | None = None) -> None:
+        """``Lease.release()``, giving the key back with ``give`` if given."""
+        in_flight = sys.exc_info()[1]
+        guards = self.guards
+        if guards is None:
+            raise RuntimeError(
+                f"the lease {self.name!r} belongs to an `async with lease(...)` block, "
+                "whose exit releases it"
+            )
+        if guards:
+            raise RuntimeError(f"release() of {self.name!r} while a guard() of it is open")
+        if self.closing:  # released, or being released, by an earlier call
+            released = self.released
+            if released is not None:
+                await released.wait()  # (bounded: every step of a release is)
+        else:
+            self.closing = True
+            self.released = asyncio.Event()
+            wake = Wake.OURS
+            try:
+                self.overran("the release")
+                if give is None:
+                    wake = await release_lease(self, shielded=False)
+                else:  # (once(): the result stored with the release)
+                    wake = await give(self)
+            finally:
+                try:
+                    await after_release(self, wake)
+                finally:
+                    self.released.set()
+        if self.state is LeaseState.LOST:
+            self.raise_loss(in_flight, "the code that released it")
+
+    async def store_and_release(self, keys: list[str], args: list[Arg]) -> bool | None:
+        """Release a lease of ``once()`` storing its job's result in the same step (the
+        STORE script). Returns True if stored, None if that is unknown (Redis did not
+        answer: logged). ``release()``'s rules otherwise.
+
+        Raises:
+            LockLost: the key was not ours: nothing was stored.
+        """
+        stored: bool | None = None
+
+        async def give(held: Tenure) -> Wake:
+            nonlocal stored
+            if held.state is LeaseState.LOST:  # (lost: a plain release, nothing stored)
+                stored = False
+                return await release_lease(held, shielded=False)
+            stored = await release_storing(held, keys, args)
+            return Wake.OURS
+
+        await self.give_back(give)
+        return stored
+
+    def open_guard(self) -> anyio.CancelScope:
+        """A guard's scope, entered (a loss cancels it until ``close_guard``)."""
+        scope = self.companion.cancel_scope()
+        scope.__enter__()
+        self.guards = (*(self.guards or ()), scope)
+        return scope
+
+    def close_guard(self, scope: anyio.CancelScope) -> bool:
+        """A guard's scope exits; False if it is not one of the open guards'."""
+        guards = self.guards
+        if guards is None or scope not in guards:
+            return False
+        self.guards = tuple(open_ for open_ in guards if open_ is not scope)
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Tenure {self.name!r} {self.state.name} fence={self.fencing_token}>"
+
+    # -- machinery (the context manager, the release, the watchdog) ---------------------
+
+    @property
+    def active(self) -> bool:
+        return self.state in _ACTIVE and not self.closing
+
+    @property
+    def live(self) -> bool:
+        return self.state in _ACTIVE
+
+    def past_deadline(self) -> bool:
+        """Still active, but the safe deadline has passed (its timer not run yet)."""
+        return self.state in _ACTIVE and self.companion.loop.time() >= self.deadline
+
+    def held_locally(self) -> bool:
+        return self.state in _ACTIVE and self.companion.loop.time() < self.deadline
+
+    def owner(self) -> str:
+        """The key's value while we own it: ``<token>:<fencing token>``."""
+        value = self.value
+        if isinstance(value, bytes):  # (packed by renew_tail: after the keys)
+            return unpack_arg(value, len(self.hold.keys)).decode("ascii")
+        return value
+
+    def loss_error(self) -> LockLost:
+        reason = self.lost_reason or LossReason.DEADLINE
+        return LockLost(self.name, reason)
+
+    def raise_loss(self, error: BaseException | None, what: str) -> None:
+        """The lease was lost while ``what`` (a block, a guard) ran, and it ended with
+        ``error`` (None: it finished, or our cancellation stopped it). Raise ``LockLost``,
+        or let the code's own error propagate with a note (never masked)."""
+        if error is None:
+            raise self.loss_error() from self.lost_cause
+        if isinstance(error, asyncio.CancelledError | LockLost):
+            return  # (a LockLost in flight: a guard's, for this loss, said it already)
+        said = f"asynclock: the lease {self.name!r} was lost ({self.lost_reason})"
+        if not any(note.startswith(said) for note in getattr(error, "__notes__", ())):
+            error.add_note(f"{said} while {what} ran")  # (once: a guard and a release)
+
+    def event(
+        self,
+        kind: LeaseEventKind,
+        detail: str = "",
+        *,
+        waited: float | None = None,
+        latency: float | None = None,
+        slack: float | None = None,
+    ) -> None:
+        if self.hook is not None or hooks():
+            now = self.companion.loop.time()
+            held = None
+            if kind is LeaseEventKind.RELEASED or kind is LeaseEventKind.LOST:
+                held = now - self.acquired_at
+            report(
+                self.hook,
+                kind,
+                self.options.name,
+                self.fencing_token,
+                now,
+                self.deadline,
+                detail,
+                waited,
+                held,
+                latency,
+                slack,
+            )
+
+    def start(self, scope: anyio.CancelScope | None, waited: float | None = None) -> None:
+        """Schedule the first renewal, which also watches the deadline (no await in
+        between). ``scope`` is the block's; None for a lease of ``acquire()``. ``waited``:
+        the seconds the acquisition took, reported as ``acquired`` (None: a part of a
+        Redlock, which reports its own)."""
+        self.scope = scope
+        if scope is None:
+            self.guards = ()
+        companion = self.companion
+        companion.watchdog.schedule(self, self.last_send + self.ttl / 3)
+        most = self.options.max_hold
+        if most:  # (counted from the acquire's send, as the deadline is)
+            at = self.last_send + most
+            self._max_hold_timer = companion.loop.call_at(at, self._max_hold_reached)
+        if waited is not None:
+            self.event(LeaseEventKind.ACQUIRED, waited=waited)
+
+    def _max_hold_reached(self) -> None:
+        """``max_hold`` seconds since the acquisition: lost, though renewals succeed."""
+        self._max_hold_timer = None
+        if self.state in _ACTIVE and not self.closing:
+            self.lose(LossReason.MAX_HOLD)
+
+    # -- asked by the watchdog (its view of a lease: ``_watchdog.Watched``) ---------------
+
+    def watch(self, due: float | None) -> None:
+        """The watchdog looks at this lease next at loop time ``due``; None while a
+        renewal of it is in flight. (The slot is the watchdog's bookkeeping.)"""
+        self.due = due
+
+    def note_backoff(self, backoff: float) -> None:
+        """The watchdog's pause (seconds) before the retry after next, while SUSPECT."""
+        self.backoff = backoff
+
+    def moved(self, error: AskError) -> bool:
+        """A renewal was answered ``MOVED`` or ``ASK`` (``error``, a ``MovedError`` or an
+        ``AskError``): on a Redis Cluster, the lock's slot is (being) migrated to the
+        node the answer names. The lease moves to that node's companion (``follow``),
+        and is renewed there at once. Returns False when it cannot move (not a cluster,
+        being released, or the same node): the renewal then counts as failed."""
+        if self.closing or self.state not in _ACTIVE or not self.follow(error):
+            return False
+        self.companion.watchdog.schedule(self, self.companion.loop.time())
+        return True
+
+    def follow(self, error: AskError) -> bool:
+        """Move the lease to the companion of the node that ``error`` (``MOVED`` or
+        ``ASK``) names, its commands sent after ``ASKING`` while the slot is migrating
+        (see ``_redis._cluster``); False if it cannot (not a cluster, or that node is its
+        own already). The caller sends again, or schedules the next renewal."""
+        old = self.companion
+        cluster = cluster_of(old.client)
+        if cluster is None:
+            return False
+        node = node_at(cluster, error.host, int(error.port))
+        if node is None:
+            return False
+        new = companion_for(node)
+        if new is old:
+            return False
+        new.retain()
+        token = self.token
+        if token in old.room.in_use:  # (see WaitingRoom.in_use; discarded at release)
+            old.room.in_use.discard(token)
+            new.room.in_use.add(token)
+        self.companion = new
+        self.asking = not isinstance(error, MovedError)
+        old.room.wake(self.options.channel)  # (its waiters here try, and move too)
+        let_go(old)
+        return True
+
+    def on_deadline(self, cause: BaseException | None = None) -> None:
+        """Called by the watchdog once ``safe_until`` has passed; ``cause``: the failure
+        of the renewal that could not be retried in time, if that is how it came."""
+        if self.state not in _ACTIVE or self.closing:
+            return  # ended, or the block finished in time and is being released
+        if cause is not None:
+            self.lost_cause = cause
+        self._deadline_passed("the deadline")
+
+    def _deadline_passed(self, what: str) -> None:
+        """``safe_until`` has passed (noticed by ``what``): log a stall, lose the lease."""
+        try:
+            report_stall(self, self.deadline, self.companion.loop.time(), what)
+        finally:
+            self.lose(LossReason.DEADLINE, self.lost_cause)
+
+    def overran(self, what: str) -> bool:
+        """At an exit (``what``: a block's, a guard's, a release): the lease is lost if its
+        deadline has passed without its timer running (the loop was blocked: a blocking
+        call, CPU-bound code). Returns whether it was. Never raises, so the exit always
+        finishes its cleanup (a log handler that fails is ignored here)."""
+        if self.state not in _ACTIVE or self.companion.loop.time() < self.deadline:
+            return False
+        with contextlib.suppress(Exception):
+            self._deadline_passed(what)
+        return True
+
+    async def renew_once(self, limit: float) -> bool:
+        """One renewal attempt of at most ``limit`` seconds.
+
+        Returns True if renewed, False if the lease is (now) lost. Raises the Redis or
+        timeout error when the outcome is unknown.
+        """
+        t_send = self.companion.loop.time()
+        async with asyncio.timeout(limit):
+            keys = self.hold.keys
+            args: list[Arg] = [self.owner(), self.options.ttl_ms]
+            try:
+                client = self.companion.renewer()
+                reply = await self.renew_script(client, keys, args, asking=self.asking)
+            except AskError as moved:  # (MOVED too: the slot moved; see moved)
+                if not self.follow(moved):
+                    raise
+                client = self.companion.renewer()
+                reply = await self.renew_script(client, keys, args, asking=self.asking)
+        if reply != 1:
+            self.found_not_ours()
+            return False
+        return self.confirm(t_send)
+
+    def confirm(self, t_send: float, safe_until: float | None = None) -> bool:
+        """A renewal sent at ``t_send`` was confirmed (``safe_until`` is its new deadline,
+        when the caller has computed it). Returns False if the lease is (now) lost."""
+        if self.state not in _ACTIVE:
+            return False
+        if self.companion.loop.time() >= self.deadline:
+            self.lose(LossReason.DEADLINE, self.lost_cause)
+            return False
+        if safe_until is None:
+            safe_until = self.options.safe_until(t_send)
+        before = self.deadline
+        if safe_until > before:
+            self.deadline = safe_until  # (the watchdog reads it when it looks next)
+            self.last_send = t_send
+        self.state = LeaseState.HELD
+        self.lost_cause = None
+        self.backoff = None
+        if self.hook is not None or hooks():
+            now = self.companion.loop.time()
+            self.event(LeaseEventKind.RENEWED, latency=now - t_send, slack=before - now)
+        return True
+
+    # The renewal. (The watchdog renews any lease through these three; see
+    # docs/architecture.md, the seam a kind implements: the kind's ``Hold`` says which
+    # keys and which script.)
+
+    @property
+    def renew_script(self) -> Script:
+        return self.hold.renew
+
+    @property
+    def renew_head(self) -> bytes:
+        return self.hold.renew_head
+
+    def renew_tail(self) -> bytes:
+        """The keys and arguments of this lease's renew call in RESP (they never change):
+        its hold's keys, its value, its ttl in ms. Packed at the first renewal; from then
+        on they are the only copy of the value (see ``owner``), which keeps a held lease
+        small."""
+        value = self.value
+        if isinstance(value, bytes):
+            return value
+        packed = self.companion.pack_args(*self.hold.keys, value, self.options.ttl_ms)
+        self.value = packed
+        return packed
+
+    def found_not_ours(self) -> None:
+        """A renewal or a read-back of ours found the key not ours: lost, unless the
+        block has exited (the release in flight may have deleted it: no proof then)."""
+        if not self.closing:
+            self.lose(LossReason.NOT_OWNER)
+
+    def fail(self, cause: BaseException) -> None:
+        self.lose(LossReason.WATCHDOG_FAILED, cause)  # (first: logging may raise)
+        log.error("the watchdog of %r failed", self.name, exc_info=cause)
+
+    def suspect(self, cause: BaseException) -> None:
+        if self.state in _ACTIVE:
+            self.state = LeaseState.SUSPECT
+            self.lost_cause = cause  # kept as the cause should the deadline pass
+            self.event(LeaseEventKind.RENEW_FAILED, repr(cause))
+
+    def lose(self, reason: LossReason, cause: BaseException | None = None) -> None:
+        if self.state not in _ACTIVE:
+            return
+        self.state = LeaseState.LOST
+        self.lost_reason = reason
+        self.lost_cause = cause
+        if self.scope is not None and not self.closing:
+            self.scope.cancel()  # (once the block is exiting, nothing is left to cancel)
+        for guard in self.guards or ():
+            guard.cancel()
+        log.warning("lease %r lost: %s", self.name, reason.value)
+        self.event(LeaseEventKind.LOST, reason.value)
+
+    def not_confirmed(self) -> None:
+        """The acquisition did not count (too few replicas confirmed it): the release
+        that follows deletes the key at once, ``hold_at_least`` set aside."""
+        self.keep_until = None
+
+    def end(self) -> None:
+        """Given back (whatever the outcome): RELEASED unless lost; the block is gone."""
+        if self.state in _ACTIVE:
+            self.state = LeaseState.RELEASED
+        self.scope = None
+        timer = self._max_hold_timer
+        if timer is not None:
+            timer.cancel()
+            self._max_hold_timer = None
+
+    def exit_block(self) -> anyio.CancelScope:
+        """The ``async with`` block's exit begins: from here on a loss can no longer
+        cancel the block. Returns the block's scope.
+
+        Raises:
+            RuntimeError: the block has already exited, or was never entered.
+        """
+        if self.closing:
+            raise RuntimeError("this lease() context manager has already exited")
+        scope = self.scope
+        if scope is None:
+            raise RuntimeError("__aexit__ called without a successful __aenter__")
+        self.closing = True
+        return scope
 
 
 @final
@@ -143,7 +715,7 @@ class Lease:
 
     def __repr__(self) -> str:
         tenure = self._tenure
-        left = f" {self.time_left:.1f}s left" if tenure.state in ACTIVE else ""
+        left = f" {self.time_left:.1f}s left" if tenure.state in _ACTIVE else ""
         lost = f" ({tenure.lost_reason})" if tenure.lost_reason else ""
         return f"<Lease {self.name!r} {tenure.state.name}{lost} fence={self.fencing_token}{left}>"
 

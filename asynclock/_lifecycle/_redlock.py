@@ -39,8 +39,8 @@ from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
 from .._base._shield import ExcType, Traceback
 from .._session._connections import HoldEntry, companion_for
+from ._lease import LeaseState, Tenure
 from ._take import take
-from ._tenure import LeaseState, Tenure
 
 __all__ = ["RedlockContext", "RedlockLease", "acquire_redlock"]
 

@@ -15,13 +15,15 @@ import enum
 import logging
 import math
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from redis.exceptions import AskError, MaxConnectionsError
 
 from .._base._events import LeaseEventKind
 from .._base._exceptions import LossReason
+from .._base._options import LeaseOptions
 from .._base._shield import finish, finish_idempotent
+from .._kinds._hold import Hold
 from .._kinds._mutex import Handoff, handoff_call, read_handoff, unregister
 from .._redis._scripts import (
     STORE,
@@ -31,14 +33,43 @@ from .._redis._scripts import (
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
 
-if TYPE_CHECKING:
-    from ._tenure import Tenure
-
-__all__ = ["Wake", "after_release", "let_go", "release", "release_storing", "unretain"]
+__all__ = ["Held", "Wake", "after_release", "let_go", "release", "release_storing", "unretain"]
 
 log = logging.getLogger("asynclock")
 
 _CLOSE_LIMIT: Final = 1.0  # seconds allowed to close idle side connections
+
+
+class Held(Protocol):
+    """A lease as its release sees it (``_lease.Tenure`` is one): read here, changed only
+    by asking it (``end``, ``lose``, ``event``, ``follow``). Loop times in seconds."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def deadline(self) -> float: ...  # the safe deadline (``Lease.safe_until``)
+    @property
+    def lost_reason(self) -> LossReason | None: ...
+    @property
+    def companion(self) -> Companion: ...
+    @property
+    def options(self) -> LeaseOptions: ...
+    @property
+    def hold(self) -> Hold: ...  # its keys and scripts (see _kinds._hold)
+    @property
+    def keep_until(self) -> float | None: ...  # hold_at_least: keep the key until then
+    @property
+    def live(self) -> bool: ...  # HELD or SUSPECT
+    @property
+    def asking(self) -> bool: ...  # (its slot migrates to its node: see Tenure.moved)
+
+    def owner(self) -> str: ...
+    def follow(self, error: AskError) -> bool: ...  # (MOVED/ASK: to the node named)
+    def event(self, kind: LeaseEventKind, detail: str = "") -> None: ...
+    def lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
+    def end(self) -> None: ...
 
 
 class Wake(enum.Enum):
@@ -49,7 +80,7 @@ class Wake(enum.Enum):
     # ours stands back a moment, then tries (and so learns how long to wait)
 
 
-async def release(held: Tenure, *, shielded: bool) -> Wake:
+async def release(held: Held, *, shielded: bool) -> Wake:
     """Stop renewing and release the key (shielded; every exchange ends within
     release_timeout), hand it to the next waiter of this client's line, or grant it to
     a waiter of another client. Returns whom to wake (see ``after_release``).
@@ -127,7 +158,7 @@ async def release(held: Tenure, *, shielded: bool) -> Wake:
     return Wake.OURS
 
 
-async def release_storing(held: Tenure, keys: list[str], args: list[Arg]) -> bool | None:
+async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
     """Stop renewing a lease of ``once()`` and, in one owner-checked step, store its job's
     result and delete its key (the STORE script: ``keys``, and ``args`` after the
     lease's value), shielded, every exchange within ``release_timeout``. No waiter is
@@ -195,7 +226,7 @@ class _Outcome(enum.Enum):
 
 
 async def _send_release(
-    held: Tenure,
+    held: Held,
     *,
     keep_ms: int,
     first: bool,
@@ -286,7 +317,7 @@ async def _send_release(
     return _Outcome.NOT_OURS if _proves_loss(held, first) else None
 
 
-def _proves_loss(held: Tenure, first: bool) -> bool:
+def _proves_loss(held: Held, first: bool) -> bool:
     """Whether a release's answer that the key was not ours, just received, proves the key
     went early: the first attempt's, received before ``safe_until`` (see ``_send_release``)."""
     return first and held.companion.loop.time() < held.deadline
@@ -313,7 +344,7 @@ async def unretain(companion: Companion) -> None:
             log.debug("closing side connections failed: %r", exc)
 
 
-async def after_release(held: Tenure, wake: Wake) -> None:
+async def after_release(held: Held, wake: Wake) -> None:
     """After ``release`` (whatever its outcome): mark the lease ended, wake the waiters
     ``wake`` says, and let go of the companion."""
     held.end()

@@ -39,7 +39,7 @@ from .._session._connections import Companion
 from ._release import Wake, after_release, release
 
 if TYPE_CHECKING:
-    from ._tenure import Tenure
+    from ._lease import Tenure
 
 __all__ = ["confirm_replicas"]
 

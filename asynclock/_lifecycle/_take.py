@@ -37,9 +37,9 @@ from .._kinds._shared import Shared
 from .._redis._cluster import node_client, reload_slots
 from .._redis._lane import not_sent
 from .._session._connections import Companion, companion_for
+from ._lease import Tenure
 from ._release import let_go, unretain
 from ._replicas import confirm_replicas
-from ._tenure import Tenure
 
 __all__ = ["begin", "take"]
 

@@ -80,7 +80,7 @@ _NONE_ASKED: Final = _Confirmed(0, 0.0, None)  # (a batch without min_replicas)
 
 
 class Watched(Protocol):
-    """A held lease as the watchdog sees it (``_lifecycle._tenure.Tenure`` is one). The
+    """A held lease as the watchdog sees it (``_lifecycle._lease.Tenure`` is one). The
     lease owns all of this state: the watchdog reads it, and changes it only by asking
     (``watch``, ``confirm``, ``suspect``, ``on_deadline``, ...). Loop times and seconds."""
 
