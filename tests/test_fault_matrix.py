@@ -8,10 +8,12 @@ latency) go to the ``figures`` plugin and are printed after the run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -44,24 +46,36 @@ async def _server_time(client: Redis) -> float:
 # -- proxy delay --------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _events_on_loss(events: list[asynclock.LeaseEvent]) -> Iterator[None]:
+    """A ``LockLost`` out of the block fails the test with the lease's events, which say
+    which renewal took too long (or failed) and when."""
+    try:
+        yield
+    except LockLost as lost:
+        pytest.fail(f"{lost!r}; the lease's events: {events}")
+
+
 async def test_delay_within_budget_loses_nothing(private_server: RedisServer, prefix: str):
     """Delay of 60 ms each way (RTT 120 ms < ttl/3): renewals still land; no LockLost."""
     async with FaultProxy("127.0.0.1", private_server.port) as proxy:
         client = Redis.from_url(proxy.url)
         events: list[asynclock.LeaseEvent] = []
         try:
-            async with asynclock.lease(
-                client, "slow-net", ttl=0.9, prefix=prefix, on_event=events.append
-            ) as lock:
-                proxy.set_mode(ProxyMode.DELAY, delay=0.06, jitter=0.02)
-                started = time.monotonic()
-                while time.monotonic() - started < 2.5:
-                    assert await lock.is_held()
-                    await asyncio.sleep(0.05)
-                proxy.set_mode(ProxyMode.PASS)
+            with _events_on_loss(events):
+                async with asynclock.lease(
+                    client, "slow-net", ttl=0.9, prefix=prefix, on_event=events.append
+                ) as lock:
+                    proxy.set_mode(ProxyMode.DELAY, delay=0.06, jitter=0.02)
+                    started = time.monotonic()
+                    while time.monotonic() - started < 2.5:
+                        assert await lock.is_held()
+                        await asyncio.sleep(0.05)
+                    proxy.set_mode(ProxyMode.PASS)
             kinds = [e.kind for e in events]
-            assert kinds.count(LeaseEventKind.RENEWED) >= 6
-            assert LeaseEventKind.LOST not in kinds
+            # (the events in the message: a renewal failure says what took too long)
+            assert kinds.count(LeaseEventKind.RENEWED) >= 6, events
+            assert LeaseEventKind.LOST not in kinds, events
         finally:
             await client.aclose()
 
