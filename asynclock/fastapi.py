@@ -7,13 +7,20 @@
     sync_lease = held_lease(lambda: app.state.redis, "sync:{account_id}", ttl=20)
 
     @app.post("/accounts/{account_id}/sync")
-    async def sync(account_id: int, lease: Annotated[Lease, Depends(sync_lease)]) -> None:
+    async def sync(
+        account_id: int, lease: Annotated[Lease, Depends(sync_lease, scope="function")]
+    ) -> None:
         ...  # cancelled if the lease is lost: the request ends with 503
 
 The key is a ``str.format`` template filled from the request's path parameters. A busy
 key answers 409 (``busy="raise"``, the default, with ``Retry-After`` when the holder's
 time left is known) or waits (``busy="wait"``; ``blocking_timeout`` then answers 503). A
-lease lost while the endpoint runs cancels the endpoint and answers 503. FastAPI is
+lease lost while the endpoint runs cancels the endpoint and answers 503.
+
+The lease is given back when FastAPI ends the dependency: with ``scope="function"``
+(FastAPI 0.121 and later) when the endpoint returns, before the response is sent; with
+the default scope FastAPI ends it only after the response is sent, so the lease is held
+until the client has had the response (a loss noticed then changes no answer). FastAPI is
 imported only by this module, which nothing else of asynclock imports.
 """
 
@@ -41,8 +48,10 @@ def held_lease(
     busy: Literal["raise", "wait"] = "raise",
     **options: Unpack[LeaseKeywords],
 ) -> Callable[[Request], AsyncIterator[Lease]]:
-    """A dependency (``Depends(held_lease(...))``) that holds the lease ``key`` while the
-    endpoint runs, and gives it back before the response is sent.
+    """A dependency (``Depends(held_lease(...), scope="function")``) that holds the lease
+    ``key`` while the endpoint runs, and gives it back when FastAPI ends the dependency:
+    before the response is sent with ``scope="function"``, after it without (see the
+    module's docstring).
 
     Args:
         redis: a client, or a zero-argument callable returning one, called at each
