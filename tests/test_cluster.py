@@ -1,7 +1,8 @@
 """Leases on Redis Cluster (issue 21, A): a real cluster of three primaries
 (``redis-server --cluster-enabled yes``, joined with ``CLUSTER ADDSLOTSRANGE`` and
 ``CLUSTER MEET``), a slot migrated while a lease is held (the lease follows it), and a
-new lease after it."""
+new lease after it. Every test runs with redis-py's ``RedisCluster`` clients and with
+valkey-py's ``ValkeyCluster`` ones (issue 30)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import cast
 
 import anyio
 import pytest
@@ -31,9 +33,24 @@ def nodes() -> Iterator[list[RedisServer]]:
         yield servers
 
 
+ClusterType = type[RedisCluster]
+
+
+@pytest.fixture(params=["redis-py", "valkey-py"])
+def cluster_type(request: pytest.FixtureRequest) -> ClusterType:
+    """The cluster client class of each library: redis-py's ``RedisCluster``, valkey-py's
+    ``ValkeyCluster`` (the same API; issue 30)."""
+    if request.param == "redis-py":
+        return RedisCluster
+    valkey_cluster = pytest.importorskip("valkey.asyncio.cluster")
+    return cast(ClusterType, valkey_cluster.ValkeyCluster)
+
+
 @pytest.fixture
-async def cluster(nodes: list[RedisServer]) -> AsyncIterator[RedisCluster]:
-    client = RedisCluster(host="127.0.0.1", port=nodes[0].port)
+async def cluster(
+    nodes: list[RedisServer], cluster_type: ClusterType
+) -> AsyncIterator[RedisCluster]:
+    client = cluster_type(host="127.0.0.1", port=nodes[0].port)
     await client.initialize()
     try:
         yield client
@@ -63,12 +80,12 @@ async def _all_keys_left(nodes: list[RedisServer], prefix: str) -> list[str]:
 
 
 async def test_leases_of_every_kind_on_a_cluster(
-    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+    nodes: list[RedisServer], cluster: RedisCluster, cluster_type: ClusterType, prefix: str
 ) -> None:
     """Locks whose slots are on each of the three primaries: exclusion between two
     cluster clients, a waiter woken by the release (long before the TTL), a semaphore,
     shared leases, a fair lock, once() and statistics(); nothing left behind."""
-    other = RedisCluster(host="127.0.0.1", port=nodes[1].port)
+    other = cluster_type(host="127.0.0.1", port=nodes[1].port)
     try:
         names = ["a", "b", "c", "d", "e", "f"]
         owners = {_owner(nodes, f"{prefix}{{{n}}}").port for n in names}
@@ -125,6 +142,45 @@ async def test_leases_of_every_kind_on_a_cluster(
         await other.aclose()
 
 
+async def test_inspect_every_and_the_testing_kit_on_a_cluster(
+    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+) -> None:
+    """inspect() and the CLI's list and release (on every primary), every() and
+    keys_left() through the cluster client."""
+    from asynclock._apps._inspect import force_release, list_locks
+
+    names = ["a", "b", "c", "d", "e", "f"]
+    leases = [await asynclock.acquire(cluster, n, ttl=30.0, prefix=prefix) for n in names]
+    try:
+        assert await keys_left(cluster, prefix) == sorted(lease.key for lease in leases)
+        info = await asynclock.inspect(cluster, "a", prefix=prefix)
+        assert info.held
+        assert info.fencing_token == leases[0].fencing_token
+        found, complete = await list_locks(cluster, prefix=prefix)
+        assert complete
+        assert [lock.name for lock in found] == names
+        assert await force_release(cluster, "b", prefix=prefix) == 1
+        assert not (await asynclock.inspect(cluster, "b", prefix=prefix)).held
+    finally:
+        for lease in leases:
+            with contextlib.suppress(LockLost):
+                await lease.release()
+    ticked = asyncio.Event()
+
+    async def tick() -> None:
+        ticked.set()
+
+    schedule = asyncio.create_task(asynclock.every(cluster, "tick", 0.2, tick, prefix=prefix))
+    try:
+        async with asyncio.timeout(10):
+            await ticked.wait()
+    finally:
+        schedule.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await schedule
+    assert await keys_left(cluster, prefix) == []
+
+
 async def test_a_release_halfway_through_a_migration_deletes_the_key(
     nodes: list[RedisServer], cluster: RedisCluster, prefix: str
 ) -> None:
@@ -175,7 +231,7 @@ async def test_extend_and_release_follow_a_migration_no_renewal_saw(
 
 
 async def test_a_waiter_with_an_old_slot_map_is_woken_on_the_new_owner(
-    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+    nodes: list[RedisServer], cluster: RedisCluster, cluster_type: ClusterType, prefix: str
 ) -> None:
     """A client whose slot map predates a migration: its waiter subscribes on the old
     owner first (refused: MOVED), its attempt is MOVED too, and it waits on the new
@@ -183,7 +239,7 @@ async def test_a_waiter_with_an_old_slot_map_is_woken_on_the_new_owner(
     subscription connection still serves that client's waiters of its other locks."""
     key = f"{prefix}{{moved}}"
     source, target = _owner_and_other(nodes, key)
-    stale = RedisCluster(host="127.0.0.1", port=source.port)
+    stale = cluster_type(host="127.0.0.1", port=source.port)
     await stale.initialize()
     holder = await asynclock.acquire(cluster, "moved", ttl=30.0, prefix=prefix)
     try:
@@ -257,12 +313,12 @@ async def test_local_waiters_follow_their_lock_to_its_new_owner(
 
 
 async def test_waiters_are_woken_by_sharded_pub_sub(
-    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+    nodes: list[RedisServer], cluster: RedisCluster, cluster_type: ClusterType, prefix: str
 ) -> None:
     """A waiter of another cluster client subscribes with SSUBSCRIBE on the node that
     owns the lock's slot (no plain subscription on any node) and is woken by the
     release's SPUBLISH, long before the holder's TTL (30 s) would let it in."""
-    other = RedisCluster(host="127.0.0.1", port=nodes[2].port)
+    other = cluster_type(host="127.0.0.1", port=nodes[2].port)
     channel = f"{prefix}{{s}}:released"
     owner = _owner(nodes, channel)
     clients = {n.port: Redis(host="127.0.0.1", port=n.port) for n in nodes}
@@ -360,7 +416,7 @@ async def _pttl(server: RedisServer, key: str, *, asking: bool = False) -> int:
 
 
 async def test_a_held_lease_follows_its_slot_to_another_primary(
-    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+    nodes: list[RedisServer], cluster: RedisCluster, cluster_type: ClusterType, prefix: str
 ) -> None:
     """The slot of a held lock moves to another primary, its key with it: the holder's
     renewals, answered MOVED, go to the new owner and keep the lease (nobody else gets
@@ -368,7 +424,7 @@ async def test_a_held_lease_follows_its_slot_to_another_primary(
     owner through the same cluster client (its MOVED reloads the slot map)."""
     key = f"{prefix}{{moving}}"
     source, target = _owner_and_other(nodes, key)
-    other = RedisCluster(host="127.0.0.1", port=target.port)
+    other = cluster_type(host="127.0.0.1", port=target.port)
     renewals = _Renewals()
     try:
         async with asynclock.lease(
@@ -501,7 +557,7 @@ def _sees_replica(server: RedisServer, replica: str, primary: str) -> bool:
 
 
 async def test_a_failover_of_the_locks_primary(
-    nodes: list[RedisServer], cluster: RedisCluster, prefix: str
+    nodes: list[RedisServer], cluster: RedisCluster, cluster_type: ClusterType, prefix: str
 ) -> None:
     """The primary of a held lock (confirmed by its replica: min_replicas=1) is
     SIGKILLed and the cluster promotes its replica: the holder is cancelled at its
@@ -511,7 +567,7 @@ async def test_a_failover_of_the_locks_primary(
     primary = _owner(nodes, key)
     replica = RedisServer(cluster=True).start()
     survivors = [n for n in nodes if n is not primary]  # (they vote for the promotion)
-    other = RedisCluster(host="127.0.0.1", port=survivors[0].port)
+    other = cluster_type(host="127.0.0.1", port=survivors[0].port)
     try:
         primary.command("CLUSTER", "MEET", "127.0.0.1", replica.port)
         wait_until(

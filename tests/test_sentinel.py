@@ -1,6 +1,7 @@
 """Leases through a Sentinel client (issue 21, B): a real primary, its replica and a
 sentinel (``redis-server --sentinel``) over them, failed over by ``SENTINEL FAILOVER``
-and by ``SIGKILL`` of the primary."""
+and by ``SIGKILL`` of the primary. Every test runs with redis-py's ``Sentinel`` and with
+valkey-py's (``master_for()`` clients of either; issue 30)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import anyio
 import pytest
@@ -50,13 +52,22 @@ def _servers(private_server: RedisServer) -> Iterator[tuple[RedisServer, RedisSe
         replica.stop()
 
 
+@pytest.fixture(params=["redis-py", "valkey-py"])
+def sentinel_type(request: pytest.FixtureRequest) -> type[Sentinel]:
+    """The Sentinel class of each library: redis-py's, valkey-py's (the same API)."""
+    if request.param == "redis-py":
+        return Sentinel
+    valkey_sentinel = pytest.importorskip("valkey.asyncio.sentinel")
+    return cast(type[Sentinel], valkey_sentinel.Sentinel)
+
+
 @pytest.fixture
 async def deployment(
-    _servers: tuple[RedisServer, RedisServer], tmp_path: Path
+    _servers: tuple[RedisServer, RedisServer], tmp_path: Path, sentinel_type: type[Sentinel]
 ) -> AsyncIterator[Deployment]:
     primary, replica = _servers
     sentinel = SentinelProcess(primary, tmp_path)
-    manager = Sentinel([("127.0.0.1", sentinel.port)], socket_timeout=1.0)
+    manager = sentinel_type([("127.0.0.1", sentinel.port)], socket_timeout=1.0)
     try:
         await sentinel_ready(manager)
         yield Deployment(primary, replica, sentinel, manager)

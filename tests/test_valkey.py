@@ -1,9 +1,11 @@
 """valkey-py clients (issue 30): ``valkey.asyncio.Valkey`` wherever a redis-py client goes.
 
 The contract through valkey-py clients on every engine: each kind of lock, a loss, a
-waiter woken by a release, once(), every(), inspect(), exclusive(); and valkey-py's own
-exceptions, which asynclock handles as redis-py's and the application still catches as
-valkey-py's (see ``asynclock._redis._valkey``).
+waiter woken by a release, once(), every(), inspect(), exclusive(), the testing kit; and
+valkey-py's own exceptions, which asynclock handles as redis-py's and the application
+still catches as valkey-py's (see ``asynclock._redis._valkey``). ``ValkeyCluster`` and
+a valkey-py Sentinel's ``master_for()`` clients run tests/test_cluster.py and
+tests/test_sentinel.py; every deployment runs tests/test_compat_table.py's cells.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import redis.exceptions
 
 import asynclock
 from asynclock import LockBusy, LockLost, LossReason
-from asynclock.testing import ServerInfo
+from asynclock.testing import History, ServerInfo, check_fencing, check_no_overlap, keys_left
 
 pytest.importorskip("valkey")
 import valkey.asyncio
@@ -153,9 +155,42 @@ async def test_valkey_errors_are_both(prefix: str) -> None:
     assert isinstance(caught.value, redis.exceptions.ConnectionError)
     assert type(caught.value).__module__ == "valkey.exceptions"
     await client.aclose()
-    cluster_type = valkey.asyncio.ValkeyCluster
-    with pytest.raises(TypeError, match="ValkeyCluster client is not supported yet"):
-        asynclock.lease(cluster_type.__new__(cluster_type), "x")
+
+
+def test_every_client_is_accepted_and_anything_else_refused_by_name() -> None:
+    """Valkey, ValkeyCluster (made without I/O) and a valkey-py Sentinel's master_for()
+    are accepted; anything else is refused before any I/O, naming the argument and
+    both libraries' clients."""
+    cluster = valkey.asyncio.ValkeyCluster(host="127.0.0.1", port=1)
+    sentinel = valkey.asyncio.Sentinel([("127.0.0.1", 1)])
+    for client in (Valkey(host="127.0.0.1", port=1), cluster, sentinel.master_for("x")):
+        assert isinstance(asynclock.lease(client, "x"), asynclock.LeaseContext)
+    with pytest.raises(
+        TypeError, match=r"redis must be .* valkey\.asyncio\.Valkey or ValkeyCluster"
+    ):
+        asynclock.lease(sentinel, "x")  # type: ignore[arg-type]  # (the manager itself)
+
+
+async def test_the_testing_kit(
+    vclient: Valkey, make_valkey: Callable[..., Valkey], prefix: str
+) -> None:
+    """History guards of two valkey-py clients' leases: no overlap, fencing in order;
+    keys_left() on a valkey-py client sees a held key and nothing once released."""
+    history = History()
+    other = make_valkey()
+
+    async def worker(client: Valkey, holder: str) -> None:
+        for _ in range(3):
+            async with asynclock.lease(client, "kit", ttl=5, prefix=prefix) as held:
+                with history.guard_lease(held, holder):
+                    assert await keys_left(client, prefix) == [held.key]
+                    await asyncio.sleep(0.01)
+
+    await asyncio.gather(worker(vclient, "a"), worker(other, "b"))
+    assert len(history.intervals) == 6
+    assert check_no_overlap(history.intervals) == []
+    assert check_fencing(history.intervals) == []
+    assert await keys_left(vclient, prefix) == []
 
 
 def test_the_both_error_keeps_what_valkey_gave() -> None:
@@ -175,3 +210,7 @@ def test_the_both_error_keeps_what_valkey_gave() -> None:
     assert as_redis_error(plain) is plain
     error = valkey.exceptions.ValkeyError("y")
     assert type(as_redis_error(error)).__mro__[1] is redis.exceptions.RedisError
+    cluster_error = as_redis_error(valkey.exceptions.SlotNotCoveredError("z"))
+    assert isinstance(cluster_error, redis.exceptions.SlotNotCoveredError)
+    assert isinstance(cluster_error, redis.exceptions.RedisClusterException)
+    assert isinstance(cluster_error, valkey.exceptions.ValkeyClusterException)

@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-from redis.asyncio.cluster import RedisCluster
-
-from .._base._options import Client, LeaseOptions
+from .._base._options import Client, LeaseOptions, is_cluster
 from .._redis._cluster import node_client, primary_clients
 from .._redis._scripts import Script
 from ._statistics import statistics
@@ -92,7 +90,7 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
     """
     stats = await statistics(redis, name, prefix=prefix)
     options = LeaseOptions.cached(redis, name, {"prefix": prefix})
-    node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
+    node = await node_client(redis, options.base_key) if is_cluster(redis) else redis
     limit = stats.limit or 0
     base = options.base_key
     async with node.pipeline(transaction=False) as pipe:
@@ -189,7 +187,7 @@ async def list_locks(
     if not time_limit > 0:
         raise ValueError(f"time_limit must be positive, got {time_limit!r}")
     deadline = time.monotonic() + time_limit
-    nodes = await primary_clients(redis) if isinstance(redis, RedisCluster) else [redis]
+    nodes = await primary_clients(redis) if is_cluster(redis) else [redis]
     names: set[str] = set()
     complete = True
     match = f"{_glob_escape(prefix)}{{{pattern}}}*"
@@ -248,7 +246,7 @@ async def force_release(
     """
     info = await statistics(redis, name, prefix=prefix)
     options = LeaseOptions.cached(redis, name, {"prefix": prefix})
-    node = await node_client(redis, options.base_key) if isinstance(redis, RedisCluster) else redis
+    node = await node_client(redis, options.base_key) if is_cluster(redis) else redis
     keys = [options.key, options.readers_key]
     keys += _permits(options, info.limit or 0)
     keys.append(options.permits_key)  # (with every permit: slots are taken from 0 again)

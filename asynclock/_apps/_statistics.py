@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-from redis.asyncio.cluster import RedisCluster
-
-from .._base._options import Client, LeaseOptions
+from .._base._options import Client, LeaseOptions, is_cluster
 from .._redis._cluster import node_client
 from .._redis._scripts import STATISTICS
 from .._session._connections import companion_for
@@ -62,7 +60,7 @@ async def statistics(redis: Client, name: str, *, prefix: str = "asynclock:") ->
         base + ":queue:alive",
         options.permits_key,
     ]
-    if isinstance(redis, RedisCluster):  # (the lock's node: see _redis/_cluster)
+    if is_cluster(redis):  # (the lock's node: see _redis/_cluster)
         redis = await node_client(redis, base)
     companion = companion_for(redis)
     reply = await STATISTICS(companion.lane, keys, [])

@@ -301,8 +301,9 @@ def checked_source(redis: object, argument: str = "redis") -> Any:
             pass
         return placeholder()
     raise TypeError(
-        f"{argument} must be a redis.asyncio.Redis or RedisCluster client, a "
-        "zero-argument callable returning one, or client_from(...), not "
+        f"{argument} must be a redis.asyncio.Redis or RedisCluster client (or "
+        "valkey-py's Valkey or ValkeyCluster), a zero-argument callable returning one, "
+        "or client_from(...), not "
         f"{type(redis).__module__}.{type(redis).__qualname__}"
     )
 

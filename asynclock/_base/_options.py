@@ -13,14 +13,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+if TYPE_CHECKING:  # (typing.TypeIs from Python 3.13 on; the type checker's own stubs)
+    from typing_extensions import TypeIs
+
 Client = Redis | RedisCluster
 """What a lock is taken through: a redis-py asyncio client of one server (standalone or a
-Sentinel's primary) or of a Redis Cluster."""
+Sentinel's primary) or of a Redis Cluster; valkey-py's ``Valkey`` and ``ValkeyCluster``
+clients are accepted as these (the same API), see :func:`is_client`."""
 
 __all__ = [
     "MAX_LIMIT",
@@ -30,6 +34,7 @@ __all__ = [
     "default_fence_ttl",
     "drift_for",
     "is_client",
+    "is_cluster",
     "replicas_confirmed",
 ]
 
@@ -38,7 +43,8 @@ def is_client(value: object) -> bool:
     """Whether ``value`` is a client a lease can be taken through (see ``Client``)."""
     return (
         type(value) in _CLIENT_TYPES
-        or isinstance(value, Redis | RedisCluster)
+        or isinstance(value, Redis)
+        or is_cluster(value)
         or _valkey_client(value)
     )
 
@@ -51,7 +57,11 @@ def _valkey_client(value: object) -> bool:
     return module is not None and isinstance(value, module.Valkey)
 
 
-def _valkey_cluster(value: object) -> bool:
+def is_cluster(value: object) -> TypeIs[RedisCluster]:
+    """Whether ``value`` is a cluster client: redis-py's ``RedisCluster`` or valkey-py's
+    ``ValkeyCluster`` (the same API, typed as the former). Never imports valkey-py."""
+    if isinstance(value, RedisCluster):
+        return True
     module = sys.modules.get("valkey.asyncio.cluster")
     return module is not None and isinstance(value, module.ValkeyCluster)
 
@@ -383,17 +393,11 @@ the lease's but its caller's), with their defaults: their one definition."""
 
 
 def _check_client(redis: object) -> None:
-    """A redis-py (or valkey-py) asyncio client of one server, or a redis-py cluster."""
-    if _valkey_cluster(redis):
-        raise TypeError(
-            "redis: a valkey.asyncio.ValkeyCluster client is not supported yet; use a "
-            "redis.asyncio.cluster.RedisCluster client of the Valkey cluster (the same "
-            "protocol), or valkey.asyncio.Valkey for one server"
-        )
-    if not isinstance(redis, Redis | RedisCluster) and not _valkey_client(redis):
+    """A redis-py or valkey-py asyncio client of one server or of a cluster."""
+    if not is_client(redis):
         raise TypeError(
             "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
-            "asyncio API) or a valkey.asyncio.Valkey client, not "
+            "asyncio API) or a valkey.asyncio.Valkey or ValkeyCluster client, not "
             f"{type(redis).__module__}.{type(redis).__qualname__}"
         )
 

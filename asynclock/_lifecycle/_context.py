@@ -17,10 +17,8 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TypedDict, Unpack, cast, overload
 
-from redis.asyncio.cluster import RedisCluster
-
 from .._base._events import EventHook
-from .._base._options import KEYWORDS, Client, LeaseOptions
+from .._base._options import KEYWORDS, Client, LeaseOptions, is_cluster
 from .._base._shield import ExcType, Traceback
 from .._session._connections import HoldEntry
 from ._lease import Lease, LeaseState, Tenure
@@ -110,7 +108,8 @@ def lease(
     Args:
         redis: a ``redis.asyncio.Redis`` client (``decode_responses`` either way; a
             Sentinel's ``master_for()`` too) or a ``redis.asyncio.cluster.RedisCluster``
-            (the lease runs on the primary that owns the lock's slot).
+            (the lease runs on the primary that owns the lock's slot); valkey-py's
+            ``Valkey`` and ``ValkeyCluster`` clients alike.
         name: the lock's name; non-empty.
         ttl: seconds the key lives in Redis unless renewed; the watchdog renews it every
             ``ttl / 3``. At least 0.03, at most ``9e11`` (every time argument takes a
@@ -300,7 +299,7 @@ def _redlock_options(
     if len({id(server) for server in servers}) != len(servers):
         raise ValueError("redis: a Redlock's servers must be distinct clients")
     for server in servers:
-        if isinstance(server, RedisCluster):
+        if is_cluster(server):
             raise TypeError("redis: a Redlock's servers must be single servers, not clusters")
     for option in _NOT_REDLOCK:
         if option in given and given[option] != KEYWORDS[option]:

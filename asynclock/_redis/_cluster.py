@@ -29,6 +29,10 @@ where it is renewed at once, with ``ASKING`` while the slot is still migrating (
 released so: see ``_lifecycle._lease``). ``MIGRATE`` moves a key whole, expiry
 included, so the lease is never without its key, and renewals refused on the way only
 count as failed ones.
+
+A valkey-py ``ValkeyCluster`` client is one too: its node clients are valkey-py
+``Valkey`` clients with valkey-py pools (``_valkey.Family``), and its slot map is loaded
+through ``_valkey.redis_errors``, so that what it raises is redis-py's classes as well.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from typing import Any, Final
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ClusterDownError
+
+from ._valkey import family_of, redis_errors
 
 __all__ = [
     "cluster_of",
@@ -68,20 +73,33 @@ def is_sharded(client: Redis) -> bool:
     return getattr(client, _SHARDED, False) is True
 
 
-class _NodePool(ConnectionPool):
-    """A node client's pool: connections given back are closed (see the design note)."""
+class _Closing:
+    """Makes a pool class a node client's pool: connections given back are closed (see
+    the design note)."""
 
     async def release(self, connection: Any) -> None:
         try:
             await connection.disconnect()
         finally:
-            await super().release(connection)
+            await super().release(connection)  # type: ignore[misc]
+
+
+_NODE_POOLS: dict[type[Any], type[Any]] = {}  # a library's pool class -> its node pool class
+
+
+def _node_pool(cluster: RedisCluster) -> type[Any]:
+    """The node pool class of the library ``cluster`` is from (redis-py or valkey-py)."""
+    base = family_of(cluster).pool
+    pool = _NODE_POOLS.get(base)
+    if pool is None:
+        pool = _NODE_POOLS[base] = type("_NodePool", (_Closing, base), {})
+    return pool
 
 
 async def node_client(cluster: RedisCluster, key: str) -> Redis:
     """A ``Redis`` client of the primary that owns ``key``'s slot (by the cluster
     client's slot map, loaded first if it never was)."""
-    await cluster.initialize()  # (nothing once done)
+    await redis_errors(cluster.initialize())  # (nothing once done)
     node = cluster.get_node_from_key(key)
     if node is None:  # (the map has no owner for the slot: the cluster is not ready)
         raise ClusterDownError(f"no node of the cluster owns the slot of {key!r}")
@@ -90,7 +108,7 @@ async def node_client(cluster: RedisCluster, key: str) -> Redis:
 
 async def primary_clients(cluster: RedisCluster) -> list[Redis]:
     """A ``Redis`` client of each primary of the cluster (by its slot map)."""
-    await cluster.initialize()
+    await redis_errors(cluster.initialize())
     return [_client_of(cluster, node) for node in cluster.get_primaries()]
 
 
@@ -155,8 +173,11 @@ def _make(
     if clients is None:
         clients = {}
         setattr(cluster, _NODES, clients)
-    pool = _NodePool(connection_class=connection_class, max_connections=max_connections, **settings)
-    client = clients[name] = Redis(connection_pool=pool)
+    pool = _node_pool(cluster)(
+        connection_class=connection_class, max_connections=max_connections, **settings
+    )
+    client: Redis = family_of(cluster).client(connection_pool=pool)
+    clients[name] = client
     setattr(client, _CLUSTER, weakref.ref(cluster))
     mark_sharded(client)
     return client
@@ -164,4 +185,4 @@ def _make(
 
 async def reload_slots(cluster: RedisCluster) -> None:
     """Reload the cluster client's slot map (a slot moved, or a node failed over)."""
-    await cluster.nodes_manager.initialize()
+    await redis_errors(cluster.nodes_manager.initialize())

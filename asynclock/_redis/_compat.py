@@ -21,7 +21,7 @@ transport whose connection was lost registers a writer through the transport's l
 no attribute '_add_writer'``; redis-py writes commands with ``writelines()`` and passes that
 on as it is. :func:`as_connection_error` turns it (and any ``AttributeError`` on a ``None``
 that a connection's torn-down transport, stream or parser raises inside asyncio or
-redis-py's connection code) into the ``redis.exceptions.ConnectionError`` it is, the
+redis-py's or valkey-py's connection code) into the ``redis.exceptions.ConnectionError`` it is, the
 original chained, at the boundaries where asynclock exchanges commands: every caller then
 classifies it as it classifies any connection error (``UNKNOWN_OUTCOME``: a renewal turns
 SUSPECT and is retried, an acquire attempt is retried or abandoned, a release retried).
@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Awaitable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Final
 
-import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
+
+from ._valkey import as_redis_error, valkey_errors
 
 __all__ = [
     "as_connection_error",
@@ -154,10 +156,23 @@ def _accepted_by(connection_class: type[Any]) -> frozenset[str] | None:
 
 # -- dropped connections ---------------------------------------------------------------
 
+
+def _library_code(*packages: str) -> tuple[str, ...]:
+    """The connection and parser code of each of ``packages`` that is installed
+    (redis-py, valkey-py: found, never imported)."""
+    paths: list[str] = []
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            continue
+        root = os.path.dirname(spec.origin)
+        paths += [os.path.join(root, "asyncio", "connection.py"), os.path.join(root, "_parsers")]
+    return tuple(path if path.endswith(".py") else path + os.sep for path in paths)
+
+
 _CONNECTION_CODE: Final = (
     os.path.dirname(asyncio.__file__) + os.sep,  # transports and streams
-    os.path.join(os.path.dirname(redis.__file__), "asyncio", "connection.py"),
-    os.path.join(os.path.dirname(redis.__file__), "_parsers") + os.sep,
+    *_library_code("redis", "valkey"),
 )
 
 
@@ -187,8 +202,14 @@ def _dropped(error: BaseException) -> bool:
 @contextlib.contextmanager
 def connection_errors() -> Iterator[None]:
     """Raise what the interpreter raises for a dropped connection in the block as the
-    connection error it is (see :func:`as_connection_error`)."""
+    connection error it is (see :func:`as_connection_error`), and a valkey-py error as
+    one that is redis-py's class as well (``_valkey.as_redis_error``): the block talks
+    to a connection directly, not through the lane, which does that for its own."""
     try:
         yield
     except AttributeError as error:
         raise as_connection_error(error)  # noqa: B904 (its cause is set: the error)
+    except Exception as error:
+        if isinstance(error, valkey_errors()):
+            raise as_redis_error(error) from error.__cause__
+        raise

@@ -15,39 +15,68 @@ application that catches ``valkey.exceptions.ConnectionError`` still catches it.
 valkey-py is never imported here: a valkey-py error can only exist once the application
 has imported it, so :func:`valkey_errors` looks for it in ``sys.modules`` when an error
 is being matched (never on the path of a reply).
+
+A ``valkey.asyncio.ValkeyCluster`` client is a cluster client as redis-py's
+``RedisCluster`` is (``_cluster``): its node clients are valkey-py ``Valkey`` clients
+(:class:`Family`), and what asynclock asks of the cluster client itself (its slot map,
+loaded or reloaded) goes through :func:`redis_errors`, so that its errors, too, are
+redis-py's classes as well (``ValkeyClusterException`` as ``RedisClusterException``).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Final
+from collections.abc import Awaitable
+from typing import Any, Final, TypeVar
 
 import redis.exceptions
 
-__all__ = ["Family", "as_redis_error", "family_of", "sentinel_classes", "valkey_errors"]
+__all__ = [
+    "LIBRARIES",
+    "Family",
+    "as_redis_error",
+    "family_named",
+    "family_of",
+    "redis_errors",
+    "sentinel_classes",
+    "valkey_errors",
+]
+
+T = TypeVar("T")
 
 _BOTH: dict[type[BaseException], type[BaseException]] = {}
 _NONE: Final[tuple[type[BaseException], ...]] = ()
 
 
+_REDIS_ERRORS: Final = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
+
+
 def valkey_errors() -> tuple[type[BaseException], ...]:
-    """``(valkey.exceptions.ValkeyError,)`` once valkey-py is imported, else ``()``: for
-    an ``except`` clause, evaluated only when an error is matched."""
+    """valkey-py's base errors (``ValkeyError`` and ``ValkeyClusterException``, which is
+    not one) once valkey-py is imported, else ``()``: for an ``except`` clause, evaluated
+    only when an error is matched."""
     module = sys.modules.get("valkey.exceptions")
-    return _NONE if module is None else (module.ValkeyError,)
+    return _NONE if module is None else (module.ValkeyError, module.ValkeyClusterException)
+
+
+async def redis_errors(awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, a valkey-py error it raises as :func:`as_redis_error` makes it
+    (a call on a client itself, not through the lane, e.g. a cluster's slot map)."""
+    try:
+        return await awaitable
+    except Exception as exc:
+        if isinstance(exc, valkey_errors()):
+            raise as_redis_error(exc) from exc.__cause__
+        raise
 
 
 def as_redis_error(error: BaseException) -> BaseException:
     """``error`` as an instance of both its valkey-py class and the redis-py class of the
-    same name (the nearest base's name, ``RedisError`` for ``ValkeyError``), same
-    arguments, attributes and traceback; any other error as it is."""
+    same name (the nearest base's name, "Valkey" read as "Redis": ``RedisError`` for
+    ``ValkeyError``), same arguments, attributes and traceback; any other error as it is."""
     errors = valkey_errors()
-    if (
-        not errors
-        or not isinstance(error, errors)
-        or isinstance(error, redis.exceptions.RedisError)
-    ):
+    if not errors or not isinstance(error, errors) or isinstance(error, _REDIS_ERRORS):
         return error
     both = _BOTH.get(type(error))
     if both is None:
@@ -69,23 +98,29 @@ def _both(cls: type[BaseException]) -> type[BaseException]:
     """The class deriving from redis-py's counterpart of ``cls`` and from ``cls``."""
     counterpart: type[BaseException] = redis.exceptions.RedisError
     for base in cls.__mro__:
-        name = "RedisError" if base.__name__ == "ValkeyError" else base.__name__
-        found = getattr(redis.exceptions, name, None)
-        if isinstance(found, type) and issubclass(found, redis.exceptions.RedisError):
+        found = getattr(redis.exceptions, base.__name__.replace("Valkey", "Redis"), None)
+        if isinstance(found, type) and issubclass(found, _REDIS_ERRORS):
             counterpart = found
             break
     return type(cls.__name__, (counterpart, cls), {"__module__": cls.__module__})
 
 
+LIBRARIES: Final = {"redis": "redis-py", "valkey": "valkey-py"}
+"""The client libraries asynclock works with: their packages' names, and what they are
+called."""
+
+
 class Family:
     """The classes asynclock builds its own pools and clients from, of the library a
     client is from (redis-py or valkey-py): a pool of one library's connections must be
-    of the same library."""
+    of the same library. The command line makes its clients from them too."""
 
     __slots__ = (
         "_root",
         "blocking_pool",
         "client",
+        "cluster",
+        "parse_url",
         "pool",
         "sentinel_connection",
         "sentinel_pool",
@@ -96,6 +131,8 @@ class Family:
         connection = importlib.import_module(f"{root}.asyncio.connection")
         sentinel = importlib.import_module(f"{root}.asyncio.sentinel")
         self.client: Any = asyncio_.Valkey if root == "valkey" else asyncio_.Redis
+        self.cluster: Any = asyncio_.ValkeyCluster if root == "valkey" else asyncio_.RedisCluster
+        self.parse_url: Any = connection.parse_url
         self.pool: Any = connection.ConnectionPool
         self.blocking_pool: Any = connection.BlockingConnectionPool
         self.sentinel_pool: type[Any] = sentinel.SentinelConnectionPool
@@ -114,7 +151,12 @@ _FAMILIES: dict[str, Family] = {}
 
 def family_of(client: object) -> Family:
     """The :class:`Family` of ``client`` (a redis-py or valkey-py asyncio client)."""
-    root = "valkey" if type(client).__module__.startswith("valkey.") else "redis"
+    return family_named("valkey" if type(client).__module__.startswith("valkey.") else "redis")
+
+
+def family_named(root: str) -> Family:
+    """The :class:`Family` of the library ``root`` (a key of :data:`LIBRARIES`), its
+    modules imported at the first call (``ImportError`` if it is not installed)."""
     family = _FAMILIES.get(root)
     if family is None:
         family = _FAMILIES[root] = Family(root)
@@ -122,8 +164,12 @@ def family_of(client: object) -> Family:
 
 
 def sentinel_classes() -> tuple[tuple[type[Any], ...], tuple[type[Any], ...]]:
-    """The Sentinel pool classes and Sentinel connection classes of the libraries in use."""
-    families = [family_of(None), *(f for r, f in _FAMILIES.items() if r != "redis")]
+    """The Sentinel pool classes and Sentinel connection classes of redis-py, and of
+    valkey-py once its Sentinel module is imported (a valkey-py Sentinel client exists
+    only then)."""
+    families = [family_named("redis")]
+    if "valkey.asyncio.sentinel" in sys.modules:
+        families.append(family_named("valkey"))
     return (
         tuple(f.sentinel_pool for f in families),
         tuple(f.sentinel_connection for f in families),
