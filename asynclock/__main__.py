@@ -6,6 +6,9 @@
 - ``asynclock inspect NAME``, ``asynclock list [PATTERN]``, ``asynclock release --force
   NAME``: who holds what, and releasing by hand (see ``asynclock._apps._inspect``); human
   output as an aligned table, ``--json`` for scripts.
+- ``--client redis|valkey``: the client library these commands use, redis-py (the default,
+  installed with asynclock) or valkey-py (``pip install "asynclock[valkey]"``); chosen,
+  not detected: redis-py is always installed, and either talks to Redis and Valkey.
 - ``asynclock demo`` runs ``examples/demo`` from a clone of the repository: worker
   processes compete for one lease while the demo kills a holder and deletes the lease key
   from outside.
@@ -22,10 +25,9 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -33,6 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import __version__
 from ._base._urls import safe_url
 from ._lifecycle._context import lease
+from ._redis._valkey import LIBRARIES, family_named, redis_errors
 
 
 def _positive_float(text: str) -> float:
@@ -58,6 +61,16 @@ holder has the lock (or --wait ran out); 75 when the lease was lost and the comm
 stopped (SIGTERM, then SIGKILL after --grace, before the lease's safe deadline); 69 when
 Redis could not be reached; 2 for bad usage; 126/127 when the command cannot be run.
 """
+
+
+def _add_client(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--client",
+        choices=list(LIBRARIES),
+        default="redis",
+        help="the client library: redis (redis-py, the default) or valkey (valkey-py, "
+        'pip install "asynclock[valkey]"); either talks to Redis and Valkey',
+    )
 
 
 def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -118,6 +131,7 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="exit status when another holder has the lock (default 0)",
     )
     run.add_argument("--prefix", default="asynclock:", help="key prefix (default asynclock:)")
+    _add_client(run)
     run.set_defaults(run_parser=run)
 
 
@@ -140,6 +154,7 @@ def _add_operations(commands: argparse._SubParsersAction[argparse.ArgumentParser
     )
     shared.add_argument("--prefix", default="asynclock:", help="key prefix (default asynclock:)")
     shared.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_client(shared)
     inspect = commands.add_parser(
         "inspect",
         parents=[shared],
@@ -183,19 +198,28 @@ def _add_operations(commands: argparse._SubParsersAction[argparse.ArgumentParser
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
 
-def _check_url(parser: argparse.ArgumentParser, command: str, url: str) -> None:
-    """A ``--url`` (or ``$REDIS_URL``) that redis-py cannot parse is a usage error (exit
-    2, before any I/O), the URL shown masked."""
+def _check_client(parser: argparse.ArgumentParser, command: str, args: argparse.Namespace) -> None:
+    """A ``--client`` whose library is not installed, or a ``--url`` (or ``$REDIS_URL``)
+    that it cannot parse, is a usage error (exit 2, before any I/O), the URL shown
+    masked."""
+    if importlib.util.find_spec(args.client) is None:
+        parser.error(
+            f"{command}: --client {args.client}: {LIBRARIES[args.client]} is not installed "
+            f'(pip install "asynclock[{args.client}]")'
+        )
     try:
-        parse_url(url)
+        family_named(args.client).parse_url(args.url)
     except ValueError as exc:
-        parser.error(f"{command}: --url {safe_url(url)}: {exc}")
+        parser.error(f"{command}: --url {safe_url(args.url)}: {exc}")
 
 
-def _client(args: argparse.Namespace) -> Redis | RedisCluster:
+def _client(args: argparse.Namespace) -> Any:
+    """A client of ``--url`` made with the library of ``--client`` (its cluster client
+    with ``--cluster``); seconds: 5 to connect and for each reply."""
+    family = family_named(args.client)
     if args.cluster:
-        return RedisCluster.from_url(args.url, socket_timeout=5.0)
-    return Redis.from_url(args.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        return family.cluster.from_url(args.url, socket_timeout=5.0)
+    return family.client.from_url(args.url, socket_timeout=5.0, socket_connect_timeout=5.0)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -217,76 +241,10 @@ def _show(value: object) -> str:
 
 
 async def _operate(args: argparse.Namespace) -> int:
-    from ._apps._inspect import force_release, inspect, list_locks
-
+    """``inspect``, ``list`` or ``release``: the exit status (see ``_OPS_EPILOG``)."""
     client = _client(args)
-    try:
-        if args.subcommand == "inspect":
-            info = await inspect(client, args.name, prefix=args.prefix)
-            if args.json:
-                print(json.dumps(info.as_dict()))
-            else:
-                print(_table([[key, _show(value)] for key, value in info.as_dict().items()]))
-            return 0
-        if args.subcommand == "list":
-            infos, complete = await list_locks(
-                client,
-                args.pattern,
-                prefix=args.prefix,
-                time_limit=args.time_limit,
-                held_only=not args.all,
-            )
-            if args.json:
-                print(json.dumps({"locks": [i.as_dict() for i in infos], "complete": complete}))
-            else:
-                rows = [["NAME", "KIND", "HOLDER", "FENCE", "TIME LEFT", "WAITERS"]]
-                for i in infos:
-                    fence, left = _show(i.fencing_token), _show(i.time_left)
-                    rows.append([i.name, i.kind, _show(i.holder), fence, left, str(i.waiters)])
-                print(_table(rows))
-                if not complete:
-                    print("(partial: the scan ran out of time; see --time-limit)")
-            return 0 if complete else 4
-        info = await inspect(client, args.name, prefix=args.prefix)
-        if not info.held:
-            print(f"asynclock release: {args.name!r} is not held", file=sys.stderr)
-            return 1
-        if not args.yes:
-            question = (
-                f"release {args.name!r} ({info.kind}, holder {_show(info.holder)}, fencing "
-                f"token {_show(info.fencing_token)})? The holder is cancelled. [y/N] "
-            )
-            # On stderr (stdout may be --json), read here: nothing else runs on the loop
-            # meanwhile (input() in a thread would be waited for at exit), with Python's
-            # own SIGINT handler, so that Ctrl-C interrupts the read at once (asyncio's
-            # only cancels the task, which the read does not see).
-            # (the handler first: a Ctrl-C right after the question must interrupt too)
-            previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-            try:
-                print(question, end="", file=sys.stderr, flush=True)
-                answer = sys.stdin.readline()  # ("" without a terminal)
-            except KeyboardInterrupt:
-                answer = ""
-                print(file=sys.stderr)
-            finally:
-                signal.signal(signal.SIGINT, previous)
-            if answer.strip().lower() not in ("y", "yes"):
-                print("not released", file=sys.stderr)
-                return 3
-        # (only the holder that was shown: another may have taken the lock since)
-        holder = info.fencing_token if info.kind == "mutex" else None
-        deleted = await force_release(client, args.name, prefix=args.prefix, fencing_token=holder)
-        if deleted is None:
-            print(
-                f"asynclock release: {args.name!r} changed holders since; nothing released",
-                file=sys.stderr,
-            )
-            return 1
-        if args.json:
-            print(json.dumps({"released": args.name, "keys_deleted": deleted}))
-        else:
-            print(f"released {args.name!r} ({deleted} key(s) deleted); waiters woken")
-        return 0
+    try:  # (a valkey-py client's errors as redis-py's too: see _redis._valkey)
+        return await redis_errors(_operate_on(client, args))
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         where = f"asynclock {args.subcommand}: cannot reach Redis at {safe_url(args.url)}"
         print(f"{where}: {exc}", file=sys.stderr)
@@ -297,6 +255,83 @@ async def _operate(args: argparse.Namespace) -> int:
         return 69
     finally:
         await client.aclose()
+
+
+async def _operate_on(client: Any, args: argparse.Namespace) -> int:
+    from ._apps._inspect import inspect, list_locks
+
+    if args.subcommand == "inspect":
+        info = await inspect(client, args.name, prefix=args.prefix)
+        if args.json:
+            print(json.dumps(info.as_dict()))
+        else:
+            print(_table([[key, _show(value)] for key, value in info.as_dict().items()]))
+        return 0
+    if args.subcommand == "list":
+        infos, complete = await list_locks(
+            client,
+            args.pattern,
+            prefix=args.prefix,
+            time_limit=args.time_limit,
+            held_only=not args.all,
+        )
+        if args.json:
+            print(json.dumps({"locks": [i.as_dict() for i in infos], "complete": complete}))
+        else:
+            rows = [["NAME", "KIND", "HOLDER", "FENCE", "TIME LEFT", "WAITERS"]]
+            for i in infos:
+                fence, left = _show(i.fencing_token), _show(i.time_left)
+                rows.append([i.name, i.kind, _show(i.holder), fence, left, str(i.waiters)])
+            print(_table(rows))
+            if not complete:
+                print("(partial: the scan ran out of time; see --time-limit)")
+        return 0 if complete else 4
+    return await _release(client, args)
+
+
+async def _release(client: Any, args: argparse.Namespace) -> int:
+    from ._apps._inspect import force_release, inspect
+
+    info = await inspect(client, args.name, prefix=args.prefix)
+    if not info.held:
+        print(f"asynclock release: {args.name!r} is not held", file=sys.stderr)
+        return 1
+    if not args.yes:
+        question = (
+            f"release {args.name!r} ({info.kind}, holder {_show(info.holder)}, fencing "
+            f"token {_show(info.fencing_token)})? The holder is cancelled. [y/N] "
+        )
+        # On stderr (stdout may be --json), read here: nothing else runs on the loop
+        # meanwhile (input() in a thread would be waited for at exit), with Python's
+        # own SIGINT handler, so that Ctrl-C interrupts the read at once (asyncio's
+        # only cancels the task, which the read does not see).
+        # (the handler first: a Ctrl-C right after the question must interrupt too)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            print(question, end="", file=sys.stderr, flush=True)
+            answer = sys.stdin.readline()  # ("" without a terminal)
+        except KeyboardInterrupt:
+            answer = ""
+            print(file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not released", file=sys.stderr)
+            return 3
+    # (only the holder that was shown: another may have taken the lock since)
+    holder = info.fencing_token if info.kind == "mutex" else None
+    deleted = await force_release(client, args.name, prefix=args.prefix, fencing_token=holder)
+    if deleted is None:
+        print(
+            f"asynclock release: {args.name!r} changed holders since; nothing released",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(json.dumps({"released": args.name, "keys_deleted": deleted}))
+    else:
+        print(f"released {args.name!r} ({deleted} key(s) deleted); waiters woken")
+    return 0
 
 
 def _add_acl(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -376,12 +411,13 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         grace=args.grace,
         busy_exit=args.busy_exit,
         prefix=args.prefix,
+        client=args.client,
     )
     try:  # (checked before any I/O: a bad name or prefix is a usage error)
         lease(Redis(), config.name, ttl=config.ttl, prefix=config.prefix)
     except (TypeError, ValueError) as exc:
         parser.error(f"run: {exc}")
-    _check_url(parser, "run", config.url)
+    _check_client(parser, "run", args)
     return asyncio.run(run_command(config))
 
 
@@ -426,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lease(Redis(), getattr(args, "name", "x"), prefix=args.prefix)
         except (TypeError, ValueError) as exc:
             parser.error(f"{args.subcommand}: {exc}")
-        _check_url(parser, args.subcommand, args.url)
+        _check_client(parser, args.subcommand, args)
         return asyncio.run(_operate(args))
     if args.subcommand == "acl":
         return _acl(args, parser)

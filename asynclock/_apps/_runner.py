@@ -32,6 +32,7 @@ from .._base._exceptions import AcquireTimeout, LockBusy, LockLost
 from .._base._urls import safe_url
 from .._lifecycle._context import lease
 from .._lifecycle._lease import Lease, LeaseState
+from .._redis._valkey import family_named, valkey_errors
 
 __all__ = ["EXIT_LOST", "EXIT_UNAVAILABLE", "RunConfig", "run_command"]
 
@@ -41,6 +42,7 @@ EXIT_LOST: Final = 75
 EXIT_UNAVAILABLE: Final = 69
 """Exit status when Redis could not be reached or refused us (EX_UNAVAILABLE)."""
 
+_UNREACHABLE: Final = (RedisError, OSError)  # Redis could not be reached, or refused us
 _MARGIN: Final = 0.1  # seconds before the safe deadline by which the child is killed
 
 
@@ -57,6 +59,8 @@ class RunConfig:
     grace: float | None = None
     busy_exit: int = 0
     prefix: str = "asynclock:"
+    client: str = "redis"
+    """The client library: ``"redis"`` (redis-py) or ``"valkey"`` (valkey-py)."""
 
     @property
     def kill_grace(self) -> float:
@@ -81,7 +85,7 @@ async def run_command(config: RunConfig) -> int:
     def on_event(_event: LeaseEvent) -> None:
         changed.set()
 
-    redis = Redis.from_url(config.url)
+    redis: Redis = family_named(config.client).client.from_url(config.url)
     try:
         async with lease(
             redis,
@@ -100,7 +104,7 @@ async def run_command(config: RunConfig) -> int:
     except LockLost as lost:
         _say(f"the lease {config.name!r} was lost ({lost.reason}); the command was stopped")
         return EXIT_LOST
-    except (RedisError, OSError) as exc:
+    except _UNREACHABLE + valkey_errors() as exc:  # (valkey-py's: --client valkey)
         _say(f"could not reach Redis at {safe_url(config.url)}: {exc}")
         return EXIT_UNAVAILABLE
     finally:
