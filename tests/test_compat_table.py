@@ -3,7 +3,9 @@
 Every cell marked ✓ in the README's table is one case here, run against a real
 deployment the test starts: Redis standalone, Valkey standalone, a Sentinel over a
 primary and its replica, a cluster of three primaries; each with RESP2 and RESP3 and
-``decode_responses`` both ways, and on uvloop. ``test_readme_table_is_what_runs_here``
+``decode_responses`` both ways, and on uvloop; through redis-py's clients, and (the rows
+marked "valkey-py") through valkey-py's: ``Valkey``, a valkey-py ``Sentinel``'s
+``master_for()``, ``ValkeyCluster`` (issue 30). ``test_readme_table_is_what_runs_here``
 fails if the README marks a cell that no case here runs (or leaves one out). The
 redis-py versions are the matrix's (``tests/matrix.py``).
 """
@@ -11,14 +13,16 @@ redis-py versions are the matrix's (``tests/matrix.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import pytest
 from deployments import SERVICE, SentinelProcess, cluster_nodes, sentinel_ready, synced_replica
@@ -31,38 +35,64 @@ from asynclock import LockBusy
 from asynclock.testing import RedisServer, available_engines, keys_left
 
 ROOT = Path(__file__).resolve().parents[1]
-DEPLOYMENTS = ("redis", "valkey", "sentinel", "cluster")
+VALKEY_PY = "valkey-py"  # (the rows through valkey-py's clients: "<deployment>-valkey-py")
+DEPLOYMENTS = (
+    *("redis", "valkey", "sentinel", "cluster"),
+    *(f"{d}-{VALKEY_PY}" for d in ("valkey", "sentinel", "cluster")),
+)
 COLUMNS = ("resp2-bytes", "resp2-str", "resp3-bytes", "resp3-str", "uvloop")
 HEADINGS = {
     "redis": "Redis standalone",
     "valkey": "Valkey standalone",
     "sentinel": "Sentinel (primary + replica)",
     "cluster": "Cluster (3 primaries)",
+    f"valkey-{VALKEY_PY}": f"Valkey standalone, {VALKEY_PY}",
+    f"sentinel-{VALKEY_PY}": f"Sentinel (primary + replica), {VALKEY_PY}",
+    f"cluster-{VALKEY_PY}": f"Cluster (3 primaries), {VALKEY_PY}",
 }
 
 Client = Redis | RedisCluster
 
 
-@dataclass
+@dataclasses.dataclass
 class Deployment:
     """A running deployment: its kind (standalone, sentinel, cluster), the port its
-    clients start from, and its primaries' ports (where its keys are)."""
+    clients start from, its primaries' ports (where its keys are), and the library of
+    its clients (``"redis"``: redis-py, ``"valkey"``: valkey-py)."""
 
     kind: str
     port: int
     primaries: list[int]
+    library: str = "redis"
 
     def make(self, protocol: int, decode: bool) -> Client:
+        client_class, cluster_class, sentinel_class = _classes(self.library)
         if self.kind == "sentinel":
-            manager = Sentinel([("127.0.0.1", self.port)], socket_timeout=2.0)
+            manager = sentinel_class([("127.0.0.1", self.port)], socket_timeout=2.0)
             client = manager.master_for(SERVICE, protocol=protocol, decode_responses=decode)
-            client.test_manager = manager  # type: ignore[attr-defined]  # (see _close)
-            return client
+            client.test_manager = manager  # (see _close)
+            return client  # type: ignore[no-any-return]
         if self.kind == "cluster":
-            return RedisCluster(
+            return cluster_class(  # type: ignore[no-any-return]
                 host="127.0.0.1", port=self.port, protocol=protocol, decode_responses=decode
             )
-        return Redis(host="127.0.0.1", port=self.port, protocol=protocol, decode_responses=decode)
+        return client_class(  # type: ignore[no-any-return]
+            host="127.0.0.1", port=self.port, protocol=protocol, decode_responses=decode
+        )
+
+    def spec(self, prefix: str) -> str:
+        """This deployment and ``prefix`` as a string (for ``on_uvloop``)."""
+        primaries = ":".join(map(str, self.primaries))
+        return f"{self.kind},{self.port},{primaries},{self.library},{prefix}"
+
+
+def _classes(library: str) -> tuple[Any, Any, Any]:
+    """The client, cluster client and Sentinel classes of redis-py or valkey-py."""
+    if library == "redis":
+        return Redis, RedisCluster, Sentinel
+    import valkey.asyncio
+
+    return valkey.asyncio.Valkey, valkey.asyncio.ValkeyCluster, valkey.asyncio.Sentinel
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +123,11 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
             stops.append(lambda: nodes.__exit__(None, None, None))
             ports = [node.port for node in servers]
             started["cluster"] = Deployment("cluster", servers[0].port, ports)
+        if find_spec("valkey") is not None:  # (the same deployments, valkey-py's clients)
+            for name in ("valkey", "sentinel", "cluster"):
+                if name in started:
+                    through = dataclasses.replace(started[name], library="valkey")
+                    started[f"{name}-{VALKEY_PY}"] = through
         yield started
     finally:
         for stop in reversed(stops):
@@ -167,8 +202,8 @@ def on_uvloop(spec: str) -> None:
     """Run the scenario on uvloop (in a process of its own; see ``test_cell``)."""
     import uvloop
 
-    kind, port, primaries, prefix = spec.split(",")
-    deployment = Deployment(kind, int(port), [int(p) for p in primaries.split(":")])
+    kind, port, primaries, library, prefix = spec.split(",")
+    deployment = Deployment(kind, int(port), [int(p) for p in primaries.split(":")], library)
 
     async def main() -> None:
         assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
@@ -198,8 +233,7 @@ def test_cell(
         pytest.skip(f"no {deployment} server installed")
     target = deployments[deployment]
     if column == "uvloop":  # (in a process of its own, as an application on uvloop runs)
-        spec = f"{target.kind},{target.port},{':'.join(map(str, target.primaries))},{prefix}"
-        code = f"import test_compat_table as t; t.on_uvloop({spec!r})"
+        code = f"import test_compat_table as t; t.on_uvloop({target.spec(prefix)!r})"
         done = subprocess.run(
             [sys.executable, "-c", code],
             cwd=ROOT / "tests",
