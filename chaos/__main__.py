@@ -146,6 +146,13 @@ def _parser() -> argparse.ArgumentParser:
         "callers of a key must all get one result (stored once), its runs never overlap",
     )
     parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the cluster mode: a Redis Cluster of 3 primaries with a replica each, workers "
+        "on RedisCluster clients; the nemesis migrates the leased slots, kills primaries "
+        "(replica promoted) and stops holders; leases use --min-replicas (default 1)",
+    )
+    parser.add_argument(
         "--soak",
         type=_seconds,
         default=None,
@@ -183,8 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--seconds must be at most a day")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         parser.error("--seed must be between 0 and 2**63 - 1")
-    if not args.failover and (args.min_replicas is not None or args.failovers is not None):
-        parser.error("--min-replicas and --failovers need --failover")
+    if not args.failover and args.failovers is not None:
+        parser.error("--failovers needs --failover")
+    if not (args.failover or args.cluster) and args.min_replicas is not None:
+        parser.error("--min-replicas needs --failover or --cluster")
     min_replicas = 1 if args.min_replicas is None else args.min_replicas
     if not 0 <= min_replicas <= 1:
         parser.error("--min-replicas must be 0 or 1 (the run has one replica)")
@@ -201,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--limit", args.limit > 1),
             ("--redlock", args.redlock > 0),
             ("--jobs", args.jobs),
+            ("--cluster", args.cluster),
         )
         if on
     ]
@@ -237,12 +247,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         detached=args.detached,
         limit=args.limit,
         failover=args.failover,
-        min_replicas=min_replicas if args.failover else 0,
+        min_replicas=min_replicas if args.failover or args.cluster else 0,
         failovers=failovers,
         shared=args.shared,
         fair=args.fair,
         redlock=args.redlock,
         jobs=args.jobs,
+        cluster=args.cluster,
     )
     if args.print_schedule:
         print_schedule(config)

@@ -143,6 +143,7 @@ class FaultKind(enum.StrEnum):
     SERVER_STOP = "server_stop"
     SERVER_CUT = "server_cut"
     SERVER_RESTART = "server_restart"
+    MIGRATE = "migrate"
 
     def __str__(self) -> str:
         return self.value
@@ -263,6 +264,8 @@ class Fault:
             text += f" ({self.amount:.0%} of the connections, pick {self.pick:.3f})"
         elif self.kind in (FaultKind.RESTART, FaultKind.SERVER_RESTART):
             text += f" (down {self.amount:.2f}s)"
+        elif self.kind is FaultKind.MIGRATE:
+            text += f" (held in between {self.amount:.2f}s, pick {self.pick:.3f})"
         elif self.kind is FaultKind.FAILOVER:
             text = f"#{self.index} at {self.at:.2f}s {what} on {self.scope}"
             text += f" (SIGKILL {self.amount:.3f}s after a grant, waiting up to "

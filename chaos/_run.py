@@ -50,6 +50,7 @@ from asynclock.testing import (
     keys_left,
 )
 
+from ._cluster import ChaosCluster, ClusterNemesis, make_cluster_schedule
 from ._nemesis import (
     FAIR_KINDS,
     REDLOCK_KINDS,
@@ -117,6 +118,10 @@ class ChaosConfig:
             draws from ``REDLOCK_KINDS``, hitting one server at a time.
         jobs: the jobs mode: every round calls ``once()`` for a job key of the moment;
             callers of a key must all get one result (``chaos._modes``).
+        cluster: the cluster mode: a Redis Cluster of three primaries with a replica
+            each, workers on ``RedisCluster`` clients, and a nemesis that migrates the
+            leased slots and kills primaries (``chaos._cluster``); leases use
+            ``min_replicas``.
     """
 
     seed: int
@@ -137,12 +142,15 @@ class ChaosConfig:
     fair: bool = False
     redlock: int = 0
     jobs: bool = False
+    cluster: bool = False
 
     def schedule(self) -> tuple[Fault, ...]:
         """The faults this run's seed schedules (failovers alone in the failover mode,
         the fair mode's own bag in the fair mode)."""
         if self.failover:
             return make_failover_schedule(self.seed, self.seconds, self.ttl, self.failovers)
+        if self.cluster:
+            return make_cluster_schedule(self.seed, self.seconds, self.ttl)
         if self.fair:
             return make_schedule(self.seed, self.seconds, self.ttl, FAIR_KINDS)
         if self.redlock:
@@ -155,6 +163,8 @@ class ChaosConfig:
         ``mutex``."""
         if self.failover:
             return "failover"
+        if self.cluster:
+            return "cluster"
         if self.redlock:
             return "redlock"
         if self.jobs:
@@ -210,6 +220,8 @@ class ChaosConfig:
             parts.append(f"--redlock {self.redlock}")
         if self.jobs:
             parts.append("--jobs")
+        if self.cluster:
+            parts.append(f"--cluster --min-replicas {self.min_replicas}")
         return " ".join(parts)
 
 
@@ -249,8 +261,11 @@ class _Run:
         log: TextIO,
         replication: Replication | None = None,
         servers: Sequence[tuple[RedisServer, Sequence[FaultProxy]]] = (),
+        cluster: ChaosCluster | None = None,
     ) -> None:
         self.config = config
+        self.cluster = cluster
+        """The cluster mode's cluster (its workers have no proxy)."""
         self.server = server
         self.servers = tuple(servers)
         """The Redlock mode's servers, each with its proxies (one per worker)."""
@@ -304,7 +319,7 @@ class _Run:
         worker_config = WorkerConfig(
             index=index,
             name=name,
-            url=self.proxies[index].url,
+            url=self.proxies[index].url if self.proxies else self.server.url,
             locks=config.lock_names,
             ttl=config.ttl,
             seed=config.seed,
@@ -320,6 +335,7 @@ class _Run:
             fair=config.fair,
             redlock=tuple(front[index].url for _, front in self.servers),
             jobs=config.jobs,
+            cluster=self.cluster.urls if self.cluster is not None else (),
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -449,6 +465,32 @@ class _Run:
                 flush=True,
             )
 
+    def _nemesis(self, targets: Sequence[Target]) -> Nemesis:
+        """The nemesis of this run's mode, aiming at the workers ``targets``."""
+        config = self.config
+        if self.cluster is not None:
+            return ClusterNemesis(
+                self.cluster,
+                self.history,
+                self.holders,
+                targets,
+                config.ttl,
+                next_grant=self.next_grant,
+            )
+        return Nemesis(
+            self.server,
+            self.proxies,
+            self.history,
+            self.holders,
+            targets,
+            config.ttl,
+            replication=self.replication,
+            next_grant=self.next_grant,
+            waiters=self.waiters if config.fair else None,
+            servers=self.servers,
+            majority=config.sabotage and bool(config.redlock),
+        )
+
     async def run(self) -> RunRecord:
         config = self.config
         started = time.monotonic()
@@ -459,19 +501,7 @@ class _Run:
                 targets = [
                     Target(w.name, w.proc.pid, i, w.holders) for i, w in enumerate(self.workers)
                 ]
-                self.nemesis = injector = Nemesis(
-                    self.server,
-                    self.proxies,
-                    self.history,
-                    self.holders,
-                    targets,
-                    config.ttl,
-                    replication=self.replication,
-                    next_grant=self.next_grant,
-                    waiters=self.waiters if config.fair else None,
-                    servers=self.servers,
-                    majority=config.sabotage and bool(config.redlock),
-                )
+                self.nemesis = injector = self._nemesis(targets)
                 t0 = time.monotonic()
                 until = t0 + config.seconds
                 nemesis = asyncio.create_task(injector.run(self.schedule, t0, until))
@@ -523,12 +553,17 @@ class _Run:
                 failover=config.failover,
                 min_replicas=config.min_replicas,
                 replicas_started=(
-                    self.replication.replicas_started if self.replication is not None else 0
+                    self.replication.replicas_started
+                    if self.replication is not None
+                    else self.cluster.replicas_started
+                    if self.cluster is not None
+                    else 0
                 ),
                 shared=config.shared,
                 fair=config.fair,
                 redlock=config.redlock,
                 jobs=config.jobs,
+                cluster=config.cluster,
             )
         finally:
             store.close()
@@ -545,6 +580,8 @@ class _Run:
                 file.write(json.dumps(dataclasses.asdict(report)) + "\n")
 
     async def _keys_left(self) -> list[str]:
+        if self.cluster is not None:
+            return await self.cluster.keys_left()
         server = self.replication.primary if self.replication is not None else self.server
         servers = [s for s, _ in self.servers] or [server]
         found = []
@@ -575,10 +612,14 @@ async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Sum
     try:
         async with contextlib.AsyncExitStack() as stack:
             replication: Replication | None = None
+            cluster: ChaosCluster | None = None
             fronts: list[tuple[RedisServer, Sequence[FaultProxy]]] = []
             if config.failover:  # a primary and a replica, synced before any worker runs
                 replication = await stack.enter_async_context(Replication(config.engine))
                 server = replication.primary
+            elif config.cluster:  # three primaries with a replica each, no proxy
+                cluster = await stack.enter_async_context(ChaosCluster(config.engine))
+                server = cluster.nodes[0]
             elif config.redlock:  # independent servers, a proxy per worker in front of each
                 for _ in range(config.redlock):
                     one = RedisServer(config.engine)
@@ -596,12 +637,16 @@ async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Sum
                 await asyncio.to_thread(server.start)
             if fronts:
                 proxies = list(fronts[0][1])
+            elif cluster is not None:
+                proxies = []
             else:
                 proxies = [
                     await stack.enter_async_context(FaultProxy(server.host, server.port))
                     for _ in range(config.workers)
                 ]
-            record = await _Run(config, server, proxies, workdir, log, replication, fronts).run()
+            record = await _Run(
+                config, server, proxies, workdir, log, replication, fronts, cluster
+            ).run()
         summary = summarize(record)
         passed = summary.ok
         return summary, workdir
@@ -645,6 +690,8 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
         mode = f", Redlock mode over {config.redlock} servers"
     elif config.jobs:
         mode = ", jobs mode (once())"
+    elif config.cluster:
+        mode = f", cluster mode (3 primaries + replicas, min_replicas {config.min_replicas})"
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "

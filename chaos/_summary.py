@@ -71,6 +71,7 @@ from asynclock.testing import (
     measure_overlap,
 )
 
+from ._cluster import CLUSTER_KINDS, held_across, migration_losses
 from ._modes import (
     ARRIVAL_MARGIN,
     exclusive_waits,
@@ -247,12 +248,17 @@ class RunRecord:
     """The Redlock mode: that many independent servers, each lease held on a majority."""
     jobs: bool = False
     """The jobs mode: rounds call ``once()`` (see ``chaos._modes``)."""
+    cluster: bool = False
+    """The cluster mode: a Redis Cluster whose slots migrate and whose primaries die
+    (see ``chaos._cluster``)."""
 
     @property
     def mode(self) -> str:
         """``failover``, ``shared``, ``fair`` or ``faults`` (the ordinary run)."""
         if self.failover:
             return "failover"
+        if self.cluster:
+            return "cluster"
         if self.shared:
             return "shared"
         if self.redlock:
@@ -765,7 +771,11 @@ def summarize(record: RunRecord) -> Summary:
         "failovers": {
             "scheduled": sum(1 for f in record.schedule if f.kind is FaultKind.FAILOVER),
             "done": by_kind.get(str(FaultKind.FAILOVER), 0),
-            "after_grant": sum(1 for i in record.injections if i.done and i.after_grant),
+            "after_grant": sum(
+                1
+                for i in record.injections
+                if i.done and i.after_grant and i.fault.kind is FaultKind.FAILOVER
+            ),
             "replicas_started": record.replicas_started,
         },
         "replication_timeouts": outcomes.get("unconfirmed", 0),
@@ -859,6 +869,15 @@ def _mode_checks(record: RunRecord, windows: Sequence[DataLoss]) -> dict[str, An
             "stored_twice": len(bad),
             "stored_again_after_data_loss": len(conflicts) - len(bad),
         }
+    if record.cluster:
+        lost = migration_losses(record.rounds, record.injections, ttl)
+        if lost:
+            failures.append(f"{len(lost)} lease(s) lost to a slot migration")
+            details.extend(str(loss) for loss in lost[:_SHOWN])
+        found["cluster"] = {
+            "held_across_migration": held_across(record.rounds, record.injections),
+            "lost_to_migration": len(lost),
+        }
     if record.fair:
         losses = [(w.start, w.end) for w in windows]
         disorder = out_of_order(record.rounds, record.pauses, losses, ttl)
@@ -927,7 +946,9 @@ def _render(
 ) -> list[str]:
     faults = data["faults"]
     kinds = []
-    shown = FAIR_KINDS if record.fair else REDLOCK_KINDS if record.redlock else ORDINARY
+    shown: Sequence[FaultKind] = ORDINARY
+    if record.fair or record.redlock or record.cluster:
+        shown = FAIR_KINDS if record.fair else REDLOCK_KINDS if record.redlock else CLUSTER_KINDS
     for kind in (FaultKind.FAILOVER,) if record.failover else shown:
         count = by_kind.get(str(kind), 0)
         variants = [
@@ -969,6 +990,8 @@ def _render(
         mode = f", Redlock mode over {record.redlock} servers"
     elif record.jobs:
         mode = ", jobs mode (once())"
+    elif record.cluster:
+        mode = f", cluster mode (3 primaries + replicas, min_replicas {record.min_replicas})"
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "
@@ -976,7 +999,14 @@ def _render(
         f"  faults injected      {faults['injected']} of {faults['scheduled']} scheduled: "
         + ", ".join(kinds),
     ]
-    if record.failover:
+    if record.cluster:
+        cluster = data["cluster"]
+        lines.append(
+            f"  slot migrations      {cluster['held_across_migration']} leases held across "
+            f"one; lost to a migration: {cluster['lost_to_migration']}"
+            + must(cluster["lost_to_migration"])
+        )
+    if record.failover or record.cluster:
         failover = data["failovers"]
         across = overlap["across_failover"]
         expected = " (what min_replicas prevents)" if across["count"] else ""

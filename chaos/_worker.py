@@ -55,12 +55,15 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 import asynclock
 from asynclock.testing import FencedStore, Guard, History
+
+from ._cluster import cluster_client
 
 __all__ = ["WorkerConfig", "counter_key", "holder_name", "main", "slot_name"]
 
@@ -180,6 +183,10 @@ class WorkerConfig:
     (a quarter of them give up after 0.5-2 TTLs: waiters that leave); with ``sabotage``,
     a third of them take a plain ``lease()`` instead, which does not queue."""
 
+    cluster: tuple[str, ...] = ()
+    """The cluster mode: every node's URL; the worker's client is then a
+    ``RedisCluster`` that may start from any of them (``url`` is not used)."""
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -188,6 +195,7 @@ class WorkerConfig:
         data = json.loads(text)
         data["locks"] = tuple(data["locks"])
         data["redlock"] = tuple(data.get("redlock", ()))
+        data["cluster"] = tuple(data.get("cluster", ()))
         return cls(**data)
 
 
@@ -292,7 +300,11 @@ class _Worker:
         self.report = _Reporter()
         self.stats: Counter[str] = Counter()
         self.warnings: Counter[str] = Counter()
-        self.client = _client(config.url, config.ttl)
+        self.client: Redis | RedisCluster = (
+            cluster_client(config.cluster, config.ttl)
+            if config.cluster
+            else _client(config.url, config.ttl)
+        )
         self.servers = [_client(url, config.ttl) for url in config.redlock]
         """The Redlock mode's clients, one per server (else empty)."""
         self.history = History(config.history)
