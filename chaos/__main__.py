@@ -158,9 +158,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MINUTES",
         help="the soak: rotate every mode (mutex, semaphore, shared, fair, failover, "
-        "redlock, jobs; every second pass with --detached 0.5) for MINUTES, run i with seed "
-        "SEED + i, and print one table; --workers, --tasks, --ttl, --engine and --keep "
-        "apply to every run",
+        "redlock, jobs, cluster; every second pass with --detached 0.5) for MINUTES, run i "
+        "with seed SEED + i, and print one table; --workers, --tasks, --ttl, --engine and "
+        "--keep apply to every run",
     )
     parser.add_argument(
         "--print-schedule",

@@ -25,7 +25,8 @@ of its own, drawn from the bag ``CLUSTER_KINDS`` by :func:`make_cluster_schedule
   ``SIGKILL`` of the primary that owns that lock's slot; its replica is promoted with
   ``CLUSTER FAILOVER TAKEOVER`` (variant ``takeover``) or by the cluster itself once the
   node timeout (2 s) has passed (``automatic``). Then the killed node is started again,
-  empty and with no cluster state (its ``nodes.conf`` deleted), on its port; every node
+  empty and with no cluster state (its ``nodes.conf`` deleted, and the ``dump.rdb`` a
+  node keeps from its days as a replica, whose sync wrote one), on its port; every node
   forgets its old identity, and it joins as the replica of the promoted one (``CLUSTER
   MEET``, ``CLUSTER REPLICATE``, synced). The :class:`~chaos._nemesis.Injection` records
   ``killed`` and ``promoted`` as the failover mode's do, so the summary counts double
@@ -382,7 +383,9 @@ class ChaosCluster:
         every other node forgetting its old identity, as a replica of ``primary``."""
         directory = node.directory
         assert directory is not None
-        (directory / "nodes.conf").unlink(missing_ok=True)
+        # (a node that was once a replica keeps the RDB file of its sync: not empty then)
+        for leftover in ("nodes.conf", "dump.rdb"):
+            (directory / leftover).unlink(missing_ok=True)
         old = next((v.id for v in self.view(primary) if v.port == node.port), None)
         node.restart()
         if old is not None:
@@ -407,15 +410,22 @@ class ChaosCluster:
         )
 
     def heal(self) -> None:
-        """Every node running and not stopped (a node found dead rejoins as a replica of
-        the primary left without one), then the cluster healthy."""
+        """Every node running and not stopped, then the cluster healthy. A node found
+        dead (a failover cut short) has its replica taken over if it was a primary, and
+        rejoins as the replica of the primary left without one."""
         for node in self.nodes:
             if node.is_paused:
                 node.resume()
         for node in self.nodes:
-            if not node.is_running:
-                lonely = next(p for p in self.primaries() if self.replica_of(p) is None)
-                self.rejoin_as_replica(node, lonely)
+            if node.is_running:
+                continue
+            views = self.view()
+            dead = next((v for v in views if v.port == node.port), None)
+            if dead is not None and dead.primary and dead.slots:
+                heir = next(v for v in views if not v.primary and v.primary_id == dead.id)
+                self.promote(self.by_port(heir.port), takeover=True)
+            lonely = next(p for p in self.primaries() if self.replica_of(p) is None)
+            self.rejoin_as_replica(node, lonely)
         self.wait_healthy()
 
     async def keys_left(self, prefix: str = "asynclock:") -> list[str]:
@@ -459,6 +469,7 @@ class ClusterNemesis(Nemesis):
         workers: Sequence[Target],
         ttl: float,
         *,
+        locks: Sequence[str],
         next_grant: NextGrant,
         prefix: str = "asynclock:",
     ) -> None:
@@ -466,6 +477,7 @@ class ClusterNemesis(Nemesis):
             cluster.nodes[0], (), history, holders, workers, ttl, next_grant=next_grant
         )
         self._cluster = cluster
+        self._locks = tuple(locks)
         self._prefix = prefix
 
     async def _inject(self, fault: Fault, injection: Injection) -> None:
@@ -482,7 +494,7 @@ class ClusterNemesis(Nemesis):
         grant = await self._grant_within(_GRANT_WAIT * self._ttl)
         injection.after_grant = grant is not None
         if grant is None:
-            lock = f"lock-{int(fault.pick * 1000) % PRIMARIES}"
+            lock = self._locks[min(int(fault.pick * len(self._locks)), len(self._locks) - 1)]
             injection.target = f"{lock} (no grant seen)"
         else:
             holder, lock = grant

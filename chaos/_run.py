@@ -475,6 +475,7 @@ class _Run:
                 self.holders,
                 targets,
                 config.ttl,
+                locks=config.lock_names,
                 next_grant=self.next_grant,
             )
         return Nemesis(

@@ -3,10 +3,11 @@
 Each run is an ordinary chaos run (:func:`~chaos._run.run_chaos`) of one mode, in turn:
 the mutex, the semaphore (2 locks of 2 permits), the shared mode (half the rounds shared),
 the fair mode (one lock), the failover mode (``min_replicas=1``), the Redlock mode (three
-servers), the jobs mode (``once()``); every second pass holds
-half its rounds with ``acquire()``, ``guard()`` and ``release()`` instead of ``async with``
+servers), the jobs mode (``once()``), the cluster mode (``min_replicas=1``); every
+second pass holds half its rounds with ``acquire()``, ``guard()`` and ``release()``
+instead of ``async with``
 (``--detached 0.5``), so both lease forms are soaked. Run ``i`` has seed ``seed + i``; a
-run lasts ``MINUTES / 7`` clamped to 15-60 s, and no run starts that would end past the
+run lasts ``MINUTES / 8`` clamped to 15-60 s, and no run starts that would end past the
 time given (the last one is shortened, down to 15 s). One table is printed at the end: per
 mode, runs, faults by kind, acquisitions, losses and every must-be-0 figure summed, then
 the replay command of every run that failed (whose work directory is kept).
@@ -45,6 +46,7 @@ MODES: Final[tuple[tuple[str, Mapping[str, Any]], ...]] = (
     ("failover", {"failover": True, "min_replicas": 1}),
     ("redlock", {"redlock": 3}),
     ("jobs", {"jobs": True}),
+    ("cluster", {"cluster": True, "min_replicas": 1}),
 )
 """The modes a soak rotates, in order, with the options each run of them gets."""
 
@@ -95,7 +97,8 @@ _MUST_BE_0: Final = (
         "own",
         "the mode's own: double grants (failover), starved writers (shared), grants out "
         "of order and slow handovers (fair), overlaps after one server's data loss longer "
-        "than a TTL (redlock), job results stored twice (jobs)",
+        "than a TTL (redlock), job results stored twice (jobs), leases lost to a slot "
+        "migration and double grants across a failover (cluster)",
     ),
 )
 
@@ -142,6 +145,7 @@ def _must_be_0(data: Mapping[str, Any]) -> dict[str, int]:
     own += int(fair.get("free_while_waiting", {}).get("over_bound", 0))
     own += int(data.get("redlock_long_overlaps", 0))
     own += int(data.get("jobs", {}).get("stored_twice", 0))
+    own += int(data.get("cluster", {}).get("lost_to_migration", 0))
     return {
         "overlap": int(data.get("overlap", {}).get("unpaused", {}).get("count", 0)),
         "stale": int(data.get("fenced_writes", {}).get("stale_accepted", 0)),
