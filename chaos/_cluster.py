@@ -79,6 +79,7 @@ __all__ = [
     "CLUSTER_KINDS",
     "ChaosCluster",
     "ClusterNemesis",
+    "across_migrations",
     "cluster_client",
     "make_cluster_schedule",
     "migration_losses",
@@ -583,16 +584,26 @@ def _meets(injection: Injection, start: float, end: float) -> bool:
     return injection.done and injection.start <= end and injection.end >= start
 
 
-def held_across(rounds: Iterable[RoundReport], injections: Sequence[Injection]) -> int:
-    """How many leases were held while a slot migrated (their body ran during it)."""
+def across_migrations(
+    rounds: Iterable[RoundReport], injections: Sequence[Injection]
+) -> dict[str, int]:
+    """How many rounds a migration met: ``held`` (a lease's body ran during it),
+    ``waited`` (an acquire waited during it) and ``waited_then_granted`` (of those, how
+    many got the lock)."""
     migrations = [i for i in injections if i.fault.kind is FaultKind.MIGRATE]
-    return sum(
-        1
-        for r in rounds
-        if r.body_start is not None
-        and r.body_end is not None
-        and any(_meets(m, r.body_start, r.body_end) for m in migrations)
-    )
+
+    def met(start: float | None, end: float | None) -> bool:
+        if start is None or end is None:
+            return False
+        return any(_meets(m, start, end) for m in migrations)
+
+    held = waited = granted = 0
+    for r in rounds:
+        held += met(r.body_start, r.body_end)
+        if met(r.asked_at, r.waited_until):
+            waited += 1
+            granted += r.body_start is not None
+    return {"held": held, "waited": waited, "waited_then_granted": granted}
 
 
 def migration_losses(

@@ -71,7 +71,7 @@ from asynclock.testing import (
     measure_overlap,
 )
 
-from ._cluster import CLUSTER_KINDS, held_across, migration_losses
+from ._cluster import CLUSTER_KINDS, across_migrations, migration_losses
 from ._modes import (
     ARRIVAL_MARGIN,
     exclusive_waits,
@@ -874,8 +874,11 @@ def _mode_checks(record: RunRecord, windows: Sequence[DataLoss]) -> dict[str, An
         if lost:
             failures.append(f"{len(lost)} lease(s) lost to a slot migration")
             details.extend(str(loss) for loss in lost[:_SHOWN])
+        across = across_migrations(record.rounds, record.injections)
         found["cluster"] = {
-            "held_across_migration": held_across(record.rounds, record.injections),
+            "held_across_migration": across["held"],
+            "waited_across_migration": across["waited"],
+            "waited_then_granted": across["waited_then_granted"],
             "lost_to_migration": len(lost),
         }
     if record.fair:
@@ -1002,9 +1005,10 @@ def _render(
     if record.cluster:
         cluster = data["cluster"]
         lines.append(
-            f"  slot migrations      {cluster['held_across_migration']} leases held across "
-            f"one; lost to a migration: {cluster['lost_to_migration']}"
-            + must(cluster["lost_to_migration"])
+            f"  slot migrations      {cluster['held_across_migration']} leases held and "
+            f"{cluster['waited_across_migration']} acquires waiting across one "
+            f"({cluster['waited_then_granted']} then granted); lost to a migration: "
+            f"{cluster['lost_to_migration']}" + must(cluster["lost_to_migration"])
         )
     if record.failover or record.cluster:
         failover = data["failovers"]

@@ -39,7 +39,12 @@ from asynclock.testing import (
 )
 from chaos import FaultKind, make_schedule
 from chaos.__main__ import main
-from chaos._cluster import CLUSTER_KINDS, held_across, make_cluster_schedule, migration_losses
+from chaos._cluster import (
+    CLUSTER_KINDS,
+    across_migrations,
+    make_cluster_schedule,
+    migration_losses,
+)
 from chaos._modes import (
     exclusive_waits,
     fair_bound,
@@ -1191,7 +1196,13 @@ def test_a_lease_lost_across_a_migration_is_caught_unless_another_fault_explains
     found = migration_losses([lost, kept, later], [migration], TTL)
     assert [loss.round for loss in found] == [lost]
     assert "held across" in str(found[0])
-    assert held_across([lost, kept, later], [migration]) == 2
+    assert across_migrations([lost, kept, later], [migration]) == {
+        "held": 2,
+        "waited": 0,
+        "waited_then_granted": 0,
+    }
+    waiter = _mode_round("worker-3/t0", "exclusive", 10.4, 10.9)
+    assert across_migrations([waiter], [migration])["waited_then_granted"] == 1
     for other in (FaultKind.FAILOVER, FaultKind.HOLDER_STOP):
         assert migration_losses([lost], [migration, _migration(9.5, 9.7, other)], TTL) == []
     skipped = dataclasses.replace(migration, outcome="error: refused")
@@ -1216,6 +1227,7 @@ def test_chaos_run_of_a_cluster(tmp_path: Path) -> None:
     assert kinds.get("failover", 0) >= 1, kinds
     assert summary["faults"]["errors"] == 0
     assert summary["cluster"]["held_across_migration"] >= 1
+    assert summary["cluster"]["waited_then_granted"] >= 1
     assert summary["cluster"]["lost_to_migration"] == 0
     assert summary["failovers"]["replicas_started"] == 4  # three, then the killed one
     assert summary["double_grants_across_failover"] == 0
