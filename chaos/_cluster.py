@@ -49,7 +49,7 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio import Redis
@@ -80,7 +80,9 @@ __all__ = [
     "ChaosCluster",
     "ClusterNemesis",
     "across_migrations",
+    "cluster_checks",
     "cluster_client",
+    "cluster_line",
     "make_cluster_schedule",
     "migration_losses",
 ]
@@ -624,3 +626,38 @@ def migration_losses(
         if migration is not None:
             found.append(MigrationLoss(r, migration))
     return found
+
+
+_SHOWN: Final = 5  # losses shown in full in a failing run's details
+
+
+def cluster_checks(
+    rounds: Sequence[RoundReport],
+    injections: Sequence[Injection],
+    ttl: float,
+    failures: list[str],
+    details: list[str],
+) -> dict[str, int]:
+    """The cluster mode's figures (JSON-able); a lease lost to a migration is added to
+    ``failures`` (and shown in ``details``)."""
+    lost = migration_losses(rounds, injections, ttl)
+    if lost:
+        failures.append(f"{len(lost)} lease(s) lost to a slot migration")
+        details.extend(str(loss) for loss in lost[:_SHOWN])
+    across = across_migrations(rounds, injections)
+    return {
+        "held_across_migration": across["held"],
+        "waited_across_migration": across["waited"],
+        "waited_then_granted": across["waited_then_granted"],
+        "lost_to_migration": len(lost),
+    }
+
+
+def cluster_line(figures: Mapping[str, int], must: Callable[[int], str]) -> str:
+    """The summary's line of the cluster mode (``must`` marks a must-be-0 figure)."""
+    return (
+        f"  slot migrations      {figures['held_across_migration']} leases held and "
+        f"{figures['waited_across_migration']} acquires waiting across one "
+        f"({figures['waited_then_granted']} then granted); lost to a migration: "
+        f"{figures['lost_to_migration']}" + must(figures["lost_to_migration"])
+    )

@@ -71,7 +71,7 @@ from asynclock.testing import (
     measure_overlap,
 )
 
-from ._cluster import CLUSTER_KINDS, across_migrations, migration_losses
+from ._cluster import CLUSTER_KINDS, cluster_checks, cluster_line
 from ._modes import (
     ARRIVAL_MARGIN,
     exclusive_waits,
@@ -870,17 +870,7 @@ def _mode_checks(record: RunRecord, windows: Sequence[DataLoss]) -> dict[str, An
             "stored_again_after_data_loss": len(conflicts) - len(bad),
         }
     if record.cluster:
-        lost = migration_losses(record.rounds, record.injections, ttl)
-        if lost:
-            failures.append(f"{len(lost)} lease(s) lost to a slot migration")
-            details.extend(str(loss) for loss in lost[:_SHOWN])
-        across = across_migrations(record.rounds, record.injections)
-        found["cluster"] = {
-            "held_across_migration": across["held"],
-            "waited_across_migration": across["waited"],
-            "waited_then_granted": across["waited_then_granted"],
-            "lost_to_migration": len(lost),
-        }
+        found["cluster"] = cluster_checks(record.rounds, record.injections, ttl, failures, details)
     if record.fair:
         losses = [(w.start, w.end) for w in windows]
         disorder = out_of_order(record.rounds, record.pauses, losses, ttl)
@@ -939,6 +929,17 @@ def _latency_text(stats: Mapping[str, Any]) -> str:
     )
 
 
+def _kinds_shown(record: RunRecord) -> Sequence[FaultKind]:
+    """The kinds of fault the run's mode draws from, in the summary's order."""
+    if record.failover:
+        return (FaultKind.FAILOVER,)
+    if record.cluster:
+        return CLUSTER_KINDS
+    if record.redlock:
+        return REDLOCK_KINDS
+    return FAIR_KINDS if record.fair else ORDINARY
+
+
 def _render(
     record: RunRecord,
     data: Mapping[str, Any],
@@ -949,10 +950,7 @@ def _render(
 ) -> list[str]:
     faults = data["faults"]
     kinds = []
-    shown: Sequence[FaultKind] = ORDINARY
-    if record.fair or record.redlock or record.cluster:
-        shown = FAIR_KINDS if record.fair else REDLOCK_KINDS if record.redlock else CLUSTER_KINDS
-    for kind in (FaultKind.FAILOVER,) if record.failover else shown:
+    for kind in _kinds_shown(record):
         count = by_kind.get(str(kind), 0)
         variants = [
             f"{variant.split('/', 1)[1]} {n}"
@@ -1003,13 +1001,7 @@ def _render(
         + ", ".join(kinds),
     ]
     if record.cluster:
-        cluster = data["cluster"]
-        lines.append(
-            f"  slot migrations      {cluster['held_across_migration']} leases held and "
-            f"{cluster['waited_across_migration']} acquires waiting across one "
-            f"({cluster['waited_then_granted']} then granted); lost to a migration: "
-            f"{cluster['lost_to_migration']}" + must(cluster["lost_to_migration"])
-        )
+        lines.append(cluster_line(data["cluster"], must))
     if record.failover or record.cluster:
         failover = data["failovers"]
         across = overlap["across_failover"]
