@@ -462,7 +462,10 @@ def cluster_client(urls: Sequence[str], ttl: float) -> RedisCluster:
 
 class ClusterNemesis(Nemesis):
     """The nemesis of the cluster mode: ``migrate`` and ``failover`` of its own (see
-    the module doc), ``holder_stop`` as the ordinary one's."""
+    the module doc), ``holder_stop`` as the ordinary one's. With ``lose_keys`` (the
+    negative control), each migration deletes the lock's lease key on its owner before
+    moving the slot's keys, as a resharding that lost a key would: the lease is then
+    lost to the migration, which the run must report."""
 
     def __init__(
         self,
@@ -473,15 +476,19 @@ class ClusterNemesis(Nemesis):
         ttl: float,
         *,
         locks: Sequence[str],
+        held_locks: Callable[[], Sequence[str]],
         next_grant: NextGrant,
         prefix: str = "asynclock:",
+        lose_keys: bool = False,
     ) -> None:
         super().__init__(
             cluster.nodes[0], (), history, holders, workers, ttl, next_grant=next_grant
         )
         self._cluster = cluster
         self._locks = tuple(locks)
+        self._held_locks = held_locks
         self._prefix = prefix
+        self._lose_keys = lose_keys
 
     async def _inject(self, fault: Fault, injection: Injection) -> None:
         if fault.kind is FaultKind.MIGRATE:
@@ -491,23 +498,26 @@ class ClusterNemesis(Nemesis):
         else:
             await super()._inject(fault, injection)
 
-    async def _granted_slot(self, fault: Fault, injection: Injection) -> int:
-        """The slot of the lock a worker was granted next (within 1.5 TTLs), else of a
-        lock chosen by ``pick``; ``injection.target`` and ``after_grant`` say which."""
+    async def _granted_key(self, fault: Fault, injection: Injection) -> tuple[str, int]:
+        """The lease key and slot of the lock a worker was granted next (within 1.5
+        TTLs), else of a lock chosen by ``pick`` among those held (or, if none is, all);
+        ``injection.target`` and ``after_grant`` say which."""
         grant = await self._grant_within(_GRANT_WAIT * self._ttl)
         injection.after_grant = grant is not None
         if grant is None:
-            lock = self._locks[min(int(fault.pick * len(self._locks)), len(self._locks) - 1)]
-            injection.target = f"{lock} (no grant seen)"
+            held = self._held_locks()
+            among = held or self._locks
+            lock = among[min(int(fault.pick * len(among)), len(among) - 1)]
+            injection.target = f"{lock} ({'held' if held else 'free'}, no grant seen)"
         else:
             holder, lock = grant
             injection.target = f"{lock} granted to {holder}"
-        lock = lock.partition("#")[0]  # (a permit's slot: its lock)
-        return await asyncio.to_thread(self._cluster.slot, f"{self._prefix}{{{lock}}}")
+        key = f"{self._prefix}{{{lock.partition('#')[0]}}}"  # (a permit's slot: its lock)
+        return key, await asyncio.to_thread(self._cluster.slot, key)
 
     async def _migrate(self, fault: Fault, injection: Injection) -> None:
         cluster = self._cluster
-        slot = await self._granted_slot(fault, injection)
+        key, slot = await self._granted_key(fault, injection)
         # (the fault starts now: its wait for a grant changed nothing)
         injection.start, injection.start_wall = time.monotonic(), time.time()
         owner = await asyncio.to_thread(cluster.owner, slot)
@@ -516,6 +526,8 @@ class ClusterNemesis(Nemesis):
         injection.target += f", slot {slot} from {owner.port} to {target.port}"
         source = await asyncio.to_thread(cluster.begin_migration, slot, target)
         try:
+            if self._lose_keys:  # (the negative control: a migration that loses the lease)
+                await asyncio.to_thread(source.command, "DEL", key)
             if fault.variant == "slow":
                 await asyncio.sleep(fault.amount)
             moved = await asyncio.to_thread(cluster.move_keys, slot, source, target)
@@ -528,7 +540,7 @@ class ClusterNemesis(Nemesis):
 
     async def _kill_primary(self, fault: Fault, injection: Injection) -> None:
         cluster = self._cluster
-        slot = await self._granted_slot(fault, injection)
+        _, slot = await self._granted_key(fault, injection)
         primary = await asyncio.to_thread(cluster.owner, slot)
         replica = await asyncio.to_thread(cluster.replica_of, primary)
         if replica is None:

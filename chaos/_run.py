@@ -298,6 +298,10 @@ class _Run:
             if w.waiting and not w.holding and w.proc.returncode is None
         ]
 
+    def held_locks(self) -> list[str]:
+        """The locks (slots) some contender holds now (by the last reports), sorted."""
+        return sorted({lock for w in self.workers for lock, _ in w.holding.values()})
+
     def next_grant(self) -> asyncio.Future[tuple[str, str]]:
         """A future set to ``(holder, lock)`` by the next ``acquired`` report (for the
         nemesis's failover, which kills the primary right after a grant)."""
@@ -476,7 +480,9 @@ class _Run:
                 targets,
                 config.ttl,
                 locks=config.lock_names,
+                held_locks=self.held_locks,
                 next_grant=self.next_grant,
+                lose_keys=config.sabotage,
             )
         return Nemesis(
             self.server,
