@@ -11,9 +11,9 @@ printed with the command that replays its schedule. ``python -m chaos --failover
 [--min-replicas N]`` is the failover mode: a primary and a replica, and the only fault
 kills the primary right after a grant and promotes the replica; with ``min_replicas=1``
 no lock may be granted twice across a failover. ``--shared F``, ``--fair``, ``--redlock
-3`` and ``--jobs`` are the modes of shared leases, fair locks, Redlock and ``once()``,
-each with checks of its own (``_modes``), and ``--soak MINUTES`` rotates every mode and
-prints one table (``_soak``). See ``docs/chaos.md``.
+3``, ``--jobs`` and ``--cluster`` are the modes of shared leases, fair locks, Redlock,
+``once()`` and Redis Cluster, each with checks of its own (``_modes``, ``_cluster``),
+and ``--soak MINUTES`` rotates every mode and prints one table (``_soak``). See ``docs/chaos.md``.
 
 Not needed at run time by asynclock itself. Python API: :func:`run_chaos` (async),
 :class:`ChaosConfig`, and :func:`make_schedule`/:class:`Fault` for the seed's schedule.

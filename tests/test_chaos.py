@@ -41,6 +41,7 @@ from chaos import FaultKind, make_schedule
 from chaos.__main__ import main
 from chaos._cluster import (
     CLUSTER_KINDS,
+    ChaosCluster,
     across_migrations,
     make_cluster_schedule,
     migration_losses,
@@ -1207,6 +1208,40 @@ def test_a_lease_lost_across_a_migration_is_caught_unless_another_fault_explains
         assert migration_losses([lost], [migration, _migration(9.5, 9.7, other)], TTL) == []
     skipped = dataclasses.replace(migration, outcome="error: refused")
     assert migration_losses([lost], [skipped], TTL) == []
+
+
+@needs_server
+def test_the_primary_of_a_key_killed_three_times_rejoins_each_time_as_an_empty_replica() -> None:
+    """The cluster mode's failover, by hand, three times over: the primary of a key is
+    killed and its replica taken over; the killed node rejoins, empty, as the replica of
+    the promoted one. The third time, the node killed is one whose sync as a replica
+    wrote an RDB file holding the key (it must not load it: a node that is not empty
+    cannot become a replica). The key survives; the cluster is healthy after each
+    failover (six nodes, three primaries with slots, none failing)."""
+    cluster = ChaosCluster()
+    cluster.start()
+    try:
+        key = "asynclock:{lock-0}"
+        slot = cluster.slot(key)
+        first = cluster.owner(slot)
+        assert first.command("SET", key, "kept") == b"+OK\r\n"
+        second = cluster.replica_of(first)
+        for _ in range(3):
+            primary = cluster.owner(slot)
+            replica = cluster.replica_of(primary)
+            assert replica is not None
+            assert primary.command("WAIT", 1, 5000) == b":1\r\n"
+            primary.kill()
+            cluster.promote(replica, takeover=True)
+            cluster.rejoin_as_replica(primary, replica)
+            assert cluster.owner(slot) is replica
+            assert cluster.replica_of(replica) is primary
+            assert replica.command("GET", key) == b"$4\r\nkept\r\n"
+        assert cluster.owner(slot) is second
+        assert cluster.replicas_started == 6
+    finally:
+        cluster.stop()
+    assert not any(node.is_running for node in cluster.nodes)
 
 
 @needs_server
