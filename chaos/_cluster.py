@@ -51,6 +51,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
+from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -448,8 +449,10 @@ def cluster_client(urls: Sequence[str], ttl: float) -> RedisCluster:
     the ordinary worker's client (``socket_timeout`` 2 TTLs, at least 1 s)."""
     nodes = []
     for url in urls:
-        host, _, port = url.split("//", 1)[1].split("/", 1)[0].rpartition(":")
-        nodes.append(ClusterNode(host, int(port)))
+        parts = urlsplit(url)
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"a node's URL without host or port: {url!r}")
+        nodes.append(ClusterNode(parts.hostname, parts.port))
     return RedisCluster(
         startup_nodes=nodes, socket_timeout=max(1.0, 2 * ttl), socket_connect_timeout=1.0
     )

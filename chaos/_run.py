@@ -559,13 +559,7 @@ class _Run:
                 limit=config.limit,
                 failover=config.failover,
                 min_replicas=config.min_replicas,
-                replicas_started=(
-                    self.replication.replicas_started
-                    if self.replication is not None
-                    else self.cluster.replicas_started
-                    if self.cluster is not None
-                    else 0
-                ),
+                replicas_started=self._replicas_started(),
                 shared=config.shared,
                 fair=config.fair,
                 redlock=config.redlock,
@@ -575,6 +569,12 @@ class _Run:
         finally:
             store.close()
             self.history.close()
+
+    def _replicas_started(self) -> int:
+        """Replicas started by the failover or cluster mode (0 in the others)."""
+        if self.replication is not None:
+            return self.replication.replicas_started
+        return self.cluster.replicas_started if self.cluster is not None else 0
 
     def _save(self) -> None:
         """Write the schedule, what the nemesis did and every round to the work directory."""
