@@ -50,6 +50,27 @@ def test_public_names_are_pinned() -> None:
         assert getattr(asynclock, name) is not None
 
 
+def test_a_leases_public_members_are_pinned() -> None:
+    """The holder's handle offers the public API only: the lease's machinery is its
+    tenure's, which nothing public exposes."""
+    public = {name for name in dir(asynclock.Lease) if not name.startswith("_")}
+    assert public == {
+        "extend",
+        "fencing_token",
+        "guard",
+        "is_held",
+        "key",
+        "lost_reason",
+        "name",
+        "release",
+        "safe_until",
+        "state",
+        "time_left",
+        "token",
+        "ttl",
+    }
+
+
 def test_exception_tree() -> None:
     """Every error derives from LockError; AcquireTimeout is also a TimeoutError."""
     for error in (

@@ -603,6 +603,17 @@ async def test_a_failover_of_the_locks_primary(
                     refused[-9:] = [*refused[-9:], exc]
                 await asyncio.sleep(0.05)
 
+        waiter_in: float | None = None
+
+        async def waiter() -> None:
+            """A blocking acquire made while the primary is dead waits for the promotion
+            (within its blocking_timeout), rather than failing at once."""
+            nonlocal waiter_in
+            async with asynclock.lease(
+                other, "failover", ttl=1.0, blocking_timeout=25, prefix=prefix
+            ):
+                waiter_in = time.monotonic()
+
         held: asynclock.Lease | None = None
         async with asyncio.timeout(10):  # (a replica slow to acknowledge: try again)
             while held is None:
@@ -614,6 +625,7 @@ async def test_a_failover_of_the_locks_primary(
             async with held.guard():
                 primary.kill()
                 rival_task = asyncio.create_task(rival())
+                waiter_task = asyncio.create_task(waiter())
                 try:
                     await anyio.sleep_forever()
                 finally:
@@ -634,6 +646,10 @@ async def test_a_failover_of_the_locks_primary(
             )
         assert rival_in is not None
         assert rival_in >= holder_out
+        async with asyncio.timeout(30):
+            await waiter_task  # (raises what the waiter's acquire raised)
+        assert waiter_in is not None
+        assert waiter_in >= holder_out
         async with asyncio.timeout(30):
             while True:  # (the first client's map names the dead primary until reloaded)
                 with contextlib.suppress(LockBusy, RedisError):

@@ -29,9 +29,14 @@ from asynclock._session._connections import companion_for
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer
 
 
-def _on_renewal(event: asyncio.Event) -> Any:
+def _on_renewal(event: asyncio.Event, sent_at: list[float] | None = None) -> Any:
+    """A hook that sets ``event`` at each renewal, and notes in ``sent_at`` the loop time
+    at which each confirmed renewal was sent (its ``at`` less its round trip)."""
+
     def hook(e: asynclock.LeaseEvent) -> None:
         if e.kind is LeaseEventKind.RENEWED:
+            if sent_at is not None and e.latency is not None:
+                sent_at.append(e.at - e.latency)
             event.set()
 
     return hook
@@ -89,6 +94,7 @@ async def test_delay_beyond_budget_loses_at_the_safe_deadline(
     async with FaultProxy("127.0.0.1", private_server.port) as proxy:
         client = Redis.from_url(proxy.url)
         renewed = asyncio.Event()
+        sent_at: list[float] = []
         stopped_at = 0.0
         try:
             with pytest.raises(LockLost) as caught:
@@ -98,10 +104,10 @@ async def test_delay_beyond_budget_loses_at_the_safe_deadline(
                     ttl=ttl,
                     prefix=prefix,
                     release_timeout=0.2,
-                    on_event=_on_renewal(renewed),
+                    on_event=_on_renewal(renewed, sent_at),
                 ) as lock:
                     await renewed.wait()
-                    t_send = lock._tenure.last_send
+                    t_send = sent_at[-1]  # (the confirmed renewal's send time)
                     proxy.set_mode(ProxyMode.DELAY, delay=0.5)
                     try:
                         await anyio.sleep_forever()

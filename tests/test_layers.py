@@ -76,3 +76,42 @@ def test_the_check_finds_a_write_from_outside() -> None:
         ("lease._due", "_due"),
         ("other._x", "_x"),
     ]
+
+
+def _tenure_state() -> set[str]:
+    """The tenure's state: the slots of ``_lifecycle._lease.Tenure``."""
+    tree = ast.parse((PACKAGE / "_lifecycle" / "_lease.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "Tenure":
+            for statement in node.body:
+                if (
+                    isinstance(statement, ast.Assign)
+                    and isinstance(statement.targets[0], ast.Name)
+                    and statement.targets[0].id == "__slots__"
+                ):
+                    return set(ast.literal_eval(statement.value))
+    raise AssertionError("Tenure.__slots__ not found")
+
+
+def test_no_module_writes_the_tenures_state() -> None:
+    """A lease's tenure owns its state (public names, read by the watchdog, the release
+    and the ways in): only its own module assigns it, everyone else asks its methods."""
+    state = _tenure_state()
+    assert {"state", "deadline", "closing", "guards", "due"} <= state
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = str(path.relative_to(PACKAGE))
+        if relative == "_lifecycle/_lease.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr in state
+                    and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+                ):
+                    found.append(f"asynclock/{relative}:{node.lineno}: {ast.unparse(target)}")
+    assert not found, "the tenure's state written from outside its module:\n" + "\n".join(found)

@@ -208,8 +208,8 @@ async def _run_once(
         return codec.loads(_as_bytes(done.payload, redis))  # type: ignore[no-any-return]
     except JobConflict:
         raise IdempotencyConflict(key) from None
+    held = Lease(tenure)
     try:
-        held = Lease(tenure)
         async with held.guard():
             result = await func(*args)
     except BaseException:

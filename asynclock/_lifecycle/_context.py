@@ -2,8 +2,9 @@
 (a lease held until ``release()``).
 
 Design note. Both take the lock the same way (``_take.begin``: the acquisition engine of
-``_kinds``) and build the ``Lease`` and schedule its watchdog with no await in between,
-so a cancellation cannot fall between the grant and the lease that owns it. Their keyword
+``_kinds``), which makes the lease's ``Tenure`` and schedules its watchdog with no await
+in between, so a cancellation cannot fall between the grant and the lease that owns it;
+the caller gets the ``Lease``, the handle over it. Their keyword
 arguments are defined once (``LeaseKeywords`` for the type checker, ``_options.KEYWORDS``
 with their defaults and checks at run time) and passed on as they were given. The block
 then enters a cancel scope around its body; its exit releases the lease inside that scope
@@ -33,13 +34,13 @@ __all__ = ["HoldKeywords", "LeaseContext", "LeaseKeywords", "acquire", "lease"]
 class LeaseContext:
     """The async context manager returned by :func:`lease`; single use."""
 
-    __slots__ = ("_entry", "_hook", "_lease", "_options", "_redis")
+    __slots__ = ("_entry", "_hook", "_options", "_redis", "_tenure")
 
     def __init__(self, redis: Client, options: LeaseOptions, hook: EventHook | None) -> None:
         self._redis: Client | None = redis  # None once entered
         self._options = options
         self._hook = hook
-        self._lease: Tenure | None = None
+        self._tenure: Tenure | None = None
         self._entry: HoldEntry | None = None  # see Companion.holding
 
     async def __aenter__(self) -> Lease:
@@ -48,12 +49,12 @@ class LeaseContext:
             raise RuntimeError("a lease() context manager can be entered only once")
         self._redis = None
         held = await begin(redis, self._options, self._hook, block=True)
-        self._lease = held
+        self._tenure = held
         self._entry = held.companion.holding(held.options.base_key)  # (any kind's)
         return Lease(held)
 
     async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
-        held = self._lease
+        held = self._tenure
         if held is None:
             raise RuntimeError("__aexit__ called without a successful __aenter__")
         scope = held.exit_block()  # (from here on a loss can no longer cancel the block)

@@ -135,7 +135,7 @@ class Tenure:
         # With hold_at_least, the loop time before which a release keeps the key.
         least = options.hold_at_least
         self.keep_until = t_send + least if least else None
-        self.state = LeaseState.HELD
+        self.state = LeaseState.HELD  # (as it stands: what the holder sees is current_state)
         self.lost_reason: LossReason | None = None
         self.lost_cause: BaseException | None = None
         self.scope: anyio.CancelScope | None = None  # the block's, while it runs
@@ -714,10 +714,10 @@ class Lease:
         return LeaseGuard(self)
 
     def __repr__(self) -> str:
-        tenure = self._tenure
-        left = f" {self.time_left:.1f}s left" if tenure.state in _ACTIVE else ""
-        lost = f" ({tenure.lost_reason})" if tenure.lost_reason else ""
-        return f"<Lease {self.name!r} {tenure.state.name}{lost} fence={self.fencing_token}{left}>"
+        state, reason = self.state, self.lost_reason
+        left = f" {self.time_left:.1f}s left" if state in _ACTIVE else ""
+        lost = f" ({reason})" if reason else ""
+        return f"<Lease {self.name!r} {state.name}{lost} fence={self.fencing_token}{left}>"
 
 
 @final

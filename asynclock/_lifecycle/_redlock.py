@@ -94,7 +94,7 @@ class RedlockLease:
     @property
     def held_on(self) -> int:
         """On how many servers the lease is held now (at least a majority while held)."""
-        return sum(lease.current_state() in _LIVE for lease in self._leases)
+        return sum(lease.held_locally() for lease in self._leases)
 
     @property
     def fencing_token(self) -> int:
@@ -118,7 +118,7 @@ class RedlockLease:
     def safe_until(self) -> float:
         """Loop time until which a majority of the servers' leases is known held."""
         deadlines = sorted(
-            (lease.deadline for lease in self._leases if lease.current_state() in _LIVE),
+            (lease.deadline for lease in self._leases if lease.held_locally()),
             reverse=True,
         )
         if len(deadlines) < self._quorum:
@@ -156,7 +156,7 @@ class RedlockLease:
         await asyncio.sleep(0)
         if self.time_left <= 0 or not verify:
             return self.time_left > 0
-        live = [lease for lease in self._leases if lease.current_state() in _LIVE]
+        live = [lease for lease in self._leases if lease.held_locally()]
         answers = await asyncio.gather(
             *(lease.is_held(verify=True) for lease in live), return_exceptions=True
         )
@@ -177,7 +177,7 @@ class RedlockLease:
             raise RuntimeError(f"the lease {self._name!r} has been released")
         if self._lost is not None:
             raise LockLost(self._name, self._lost)
-        live = [lease for lease in self._leases if lease.current_state() in _LIVE]
+        live = [lease for lease in self._leases if lease.held_locally()]
         answers = await asyncio.gather(*(lease.extend() for lease in live), return_exceptions=True)
         if self._lost is not None:
             raise LockLost(self._name, self._lost)
@@ -247,7 +247,6 @@ class RedlockLease:
         )
 
 
-_LIVE = (LeaseState.HELD, LeaseState.SUSPECT)
 _REASONS = {reason.value for reason in LossReason}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import replace
 
 from redis.asyncio import Redis
@@ -95,30 +96,22 @@ async def begin(
 
 
 _SLOT_TRIES = 5  # attempts after MOVED or an unreachable node (the map reloaded each time)
-_SLOT_PAUSE = 0.05  # seconds before the first retry after ASK/TRYAGAIN (doubled each)
+_SLOT_PAUSE = 0.05  # seconds before the first retry that waits (doubled each)
 _SLOT_PAUSE_MOST = 0.5  # seconds: the longest pause between those retries
+_UNREACHABLE_PATIENCE = 30.0  # seconds a blocking acquire without blocking_timeout waits
+# out its slot's unreachable primary (a failover takes the cluster's node timeout, 15 s
+# by default, and a little more)
 
 
 async def _take_on_cluster(
     cluster: RedisCluster, options: LeaseOptions, hook: EventHook | None, job: Job | None
 ) -> Tenure:
-    """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``). A
-    ``MOVED``, or a node that cannot be reached (nothing sent), reloads the slot map and
-    tries again (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating),
-    or ``CLUSTERDOWN`` (no node serves the slot: a failover under way), waits a little and
-    tries again: while ``blocking``, until that ends or ``blocking_timeout`` runs out
-    (counted once, from the call, across attempts); otherwise ``_SLOT_TRIES`` times."""
+    """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``), the
+    slot map reloaded after each failed attempt; when it tries again is ``_SlotRetry``'s."""
     loop = asyncio.get_running_loop()
-    wait = options.blocking_timeout
-    deadline = None if wait is None else loop.time() + wait
-    pause = _SLOT_PAUSE
-    moved = 0
-    attempts = 0
+    retry = _SlotRetry(options, loop)
     while True:
-        attempts += 1
-        attempt = options
-        if deadline is not None and attempts > 1:
-            attempt = replace(options, blocking_timeout=max(0.0, deadline - loop.time()))
+        attempt = retry.options()
         try:
             node = await node_client(cluster, options.base_key)
             return await _take(node, attempt, hook, job)
@@ -129,27 +122,74 @@ async def _take_on_cluster(
             ClusterDownError,
             RedisConnectionError,
         ) as exc:
-            if isinstance(exc, MovedError | RedisConnectionError):
-                moved += 1
-                if moved >= _SLOT_TRIES or (
-                    isinstance(exc, RedisConnectionError) and not not_sent(exc)
-                ):
-                    raise
-            else:  # ASK, TRYAGAIN: a migration under way; CLUSTERDOWN: a failover
-                left = None if deadline is None else deadline - loop.time()
-                if not options.blocking and attempts >= _SLOT_TRIES:
-                    raise
-                if left is not None and left <= pause:
-                    down = isinstance(exc, ClusterDownError)
-                    why = "its slot was not served" if down else "its slot was migrating"
-                    raise AcquireTimeout(options.name, wait or 0.0, why) from exc
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, _SLOT_PAUSE_MOST)
+            await retry.after(exc)
             try:
                 await reload_slots(cluster)
             except (RedisError, RedisClusterException) as exc:
                 # (the next attempt goes by the map as it is, and tells what is wrong)
                 log.debug("reloading the cluster's slot map failed: %r", exc)
+
+
+class _SlotRetry:
+    """When an acquire on a cluster tries again. A ``MOVED`` tries again at once
+    (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating),
+    ``CLUSTERDOWN`` (no node serves the slot), or a primary that cannot be reached (nothing
+    sent: it died, and its replica is not promoted yet) wait a little and try again: while
+    ``blocking``, until that ends or ``blocking_timeout`` runs out (counted once, from the
+    call, across attempts; an unreachable primary, without one, ``_UNREACHABLE_PATIENCE``
+    seconds); otherwise ``_SLOT_TRIES`` times in all, an unreachable node at once."""
+
+    def __init__(self, options: LeaseOptions, loop: asyncio.AbstractEventLoop) -> None:
+        self._options = options
+        self._loop = loop
+        start = loop.time()
+        wait = options.blocking_timeout
+        self._deadline = None if wait is None else start + wait
+        self._patience = start + _UNREACHABLE_PATIENCE if wait is None else math.inf
+        self._attempts = 0
+        self._moved = 0
+        self._pause = _SLOT_PAUSE
+
+    def options(self) -> LeaseOptions:
+        """The options of the next attempt: its ``blocking_timeout`` what is left."""
+        self._attempts += 1
+        deadline = self._deadline
+        if deadline is None or self._attempts == 1:
+            return self._options
+        return replace(self._options, blocking_timeout=max(0.0, deadline - self._loop.time()))
+
+    async def after(self, error: BaseException) -> None:
+        """Wait before the next attempt, or raise: ``error`` itself, or ``AcquireTimeout``
+        when the wait would pass ``blocking_timeout``."""
+        options = self._options
+        unreachable = isinstance(error, RedisConnectionError)
+        if unreachable and not not_sent(error):
+            raise error  # (sent: what became of it is the engine's, which gave up)
+        if isinstance(error, MovedError) or (unreachable and not options.blocking):
+            self._moved += 1
+            if self._moved >= _SLOT_TRIES:
+                raise error
+            return
+        if not options.blocking and self._attempts >= _SLOT_TRIES:
+            raise error
+        now = self._loop.time()
+        if unreachable and now + self._pause > self._patience:
+            raise error
+        deadline = self._deadline
+        if deadline is not None and deadline - now <= self._pause:
+            timeout = options.blocking_timeout or 0.0
+            raise AcquireTimeout(options.name, timeout, _why(error)) from error
+        await asyncio.sleep(self._pause)
+        self._pause = min(self._pause * 2, _SLOT_PAUSE_MOST)
+
+
+def _why(error: BaseException) -> str:
+    """What kept an acquire on a cluster from its lock (for ``AcquireTimeout``)."""
+    if isinstance(error, ClusterDownError):
+        return "its slot was not served"
+    if isinstance(error, RedisConnectionError):
+        return "its slot's primary could not be reached"
+    return "its slot was migrating"
 
 
 async def _take(

@@ -37,6 +37,7 @@ through ``_valkey.redis_errors``, so that what it raises is redis-py's classes a
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from typing import Any, Final
 
@@ -184,5 +185,32 @@ def _make(
 
 
 async def reload_slots(cluster: RedisCluster) -> None:
-    """Reload the cluster client's slot map (a slot moved, or a node failed over)."""
+    """Reload the cluster client's slot map (a slot moved, or a node failed over).
+
+    Callers at once share one reload: the one in flight, or a new one. Two reloads of
+    one client side by side each replace the client's node objects, and one may drop the
+    other's old nodes before they are closed (valkey-py warns of them as unclosed); a
+    hundred waiters of a failed-over lock would also send a hundred ``CLUSTER SLOTS``.
+    The shared reload runs to its end even if its callers are cancelled."""
+    loop = asyncio.get_running_loop()
+    running: tuple[asyncio.AbstractEventLoop, asyncio.Task[None]] | None = getattr(
+        cluster, _RELOADING, None
+    )
+    if running is None or running[0] is not loop or running[1].done():
+        task = loop.create_task(_reload(cluster), name="asynclock-slot-map")
+        task.add_done_callback(_retrieved)  # (its error is its callers', if any are left)
+        running = (loop, task)
+        setattr(cluster, _RELOADING, running)
+    await asyncio.shield(running[1])
+
+
+_RELOADING: Final = "_asynclock_reloading"  # on a cluster client: (loop, its reload)
+
+
+async def _reload(cluster: RedisCluster) -> None:
     await redis_errors(cluster.nodes_manager.initialize())
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -324,27 +324,42 @@ async def _round_trip(connection: Any, packed: bytes, count: int = 1) -> object:
     try:
         await connection.send_packed_command(packed, check_health=False)
         if count == 1:
-            return await _reply(connection)
-        return [await _reply(connection) for _ in range(count)]
+            try:
+                return await connection.read_response()
+            except _READ_ERRORS + valkey_errors() as error:
+                return _error_reply(error)
+        return await _replies(connection, count)
     except AttributeError as error:  # (a dropped connection, on some Pythons: _compat)
         raise as_connection_error(error)  # noqa: B904 (chained by as_connection_error)
     except valkey_errors() as error:  # (a valkey-py connection's: see _valkey)
         raise as_redis_error(error) from error.__cause__
 
 
-async def _reply(connection: Any) -> object:
-    """The next reply read on ``connection``: an error reply (NOSCRIPT, READONLY, OOM,
-    ...) is given in its place, as redis-py's and valkey-py's alike; a NOAUTH, whose
-    command did not run, is raised marked as not sent."""
-    try:
-        return await connection.read_response()
-    except ResponseError as error:
-        return error
-    except AuthenticationError as error:  # (NOAUTH: the command did not run)
+_READ_ERRORS: Final[tuple[type[BaseException], ...]] = (ResponseError, AuthenticationError)
+
+
+async def _replies(connection: Any, count: int) -> list[object]:
+    """The next ``count`` replies read on ``connection``, an error reply (NOSCRIPT,
+    READONLY, OOM, ...) in its place (see ``_error_reply``)."""
+    replies: list[object] = []
+    for _ in range(count):
+        try:
+            replies.append(await connection.read_response())
+        except _READ_ERRORS + valkey_errors() as error:
+            replies.append(_error_reply(error))
+    return replies
+
+
+def _error_reply(error: BaseException) -> object:
+    """What reading a reply that raised ``error`` gives: an error reply (redis-py's or
+    valkey-py's) in its place; a NOAUTH, whose command did not run, raised marked as
+    not sent."""
+    if isinstance(error, AuthenticationError):
         mark_not_sent(error)
-        raise
-    except valkey_errors() as error:
-        return _valkey_reply(error)
+        raise error
+    if isinstance(error, ResponseError):
+        return error
+    return _valkey_reply(error)
 
 
 def _valkey_reply(error: BaseException) -> object:
@@ -381,7 +396,7 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
         raise error  # noqa: B904 (chained by as_max_connections_error)
     try:
         await connection.send_packed_command(packed)
-        return [await _reply(connection) for _ in range(count)]
+        return await _replies(connection, count)
     except BaseException as exc:
         # At once: a graceful close could wait for the peer, and a renewal in flight must
         # end by its lease's deadline.

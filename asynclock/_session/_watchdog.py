@@ -419,7 +419,7 @@ def _failed(lease: Watched, error: BaseException) -> None:
     try:
         lease.fail(error)
     except Exception:
-        lease.lose(LossReason.WATCHDOG_FAILED, error)  # (no-op if _fail got that far)
+        lease.lose(LossReason.WATCHDOG_FAILED, error)  # (no-op if fail got that far)
 
 
 class _InFlight:
