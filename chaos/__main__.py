@@ -141,9 +141,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--jobs",
-        action="store_true",
-        help="the jobs mode: every round calls once() for a job key of the moment; the "
-        "callers of a key must all get one result (stored once), its runs never overlap",
+        nargs="?",
+        const="once",
+        default=None,
+        choices=("once", "fenced", "every", "run"),
+        metavar="KIND",
+        help="the jobs mode: KIND once (the default): every round calls once() for a job "
+        "key of the moment; the callers of a key must all get one result (stored once), "
+        "its runs never overlap. fenced: once() whose job applies an effect through the "
+        "fence, runners killed (SIGKILL, restarted) and stopped; no effect applied twice, "
+        "one result per key. every: every() in processes whose clocks are skewed by up to "
+        "a quarter period (4 TTLs); each tick runs once. run: asynclock run commands on "
+        "several machines (half ignoring SIGTERM), machines stopped, the server restarted; "
+        "the commands' own intervals never overlap",
     )
     parser.add_argument(
         "--cluster",
@@ -158,9 +168,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MINUTES",
         help="the soak: rotate every mode (mutex, semaphore, shared, fair, failover, "
-        "redlock, jobs, cluster; every second pass with --detached 0.5) for MINUTES, run i "
-        "with seed SEED + i, and print one table; --workers, --tasks, --ttl, --engine and "
-        "--keep apply to every run",
+        "redlock, jobs, cluster, jobs fenced, jobs every, jobs run; every second pass "
+        "with --detached 0.5) for MINUTES, run i with seed SEED + i, and print one table; "
+        "--workers, --tasks, --ttl, --engine and --keep apply to every run",
     )
     parser.add_argument(
         "--print-schedule",
@@ -209,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("--failover", args.failover),
             ("--limit", args.limit > 1),
             ("--redlock", args.redlock > 0),
-            ("--jobs", args.jobs),
+            ("--jobs", args.jobs is not None),
             ("--cluster", args.cluster),
         )
         if on
@@ -252,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shared=args.shared,
         fair=args.fair,
         redlock=args.redlock,
-        jobs=args.jobs,
+        jobs=args.jobs == "once",
+        jobs_mode=args.jobs if args.jobs not in (None, "once") else "",
         cluster=args.cluster,
     )
     if args.print_schedule:

@@ -114,6 +114,7 @@ from ._replication import Replication
 __all__ = [
     "DATA_LOSS",
     "FAIR_KINDS",
+    "JOB_KINDS",
     "NETWORK",
     "ORDINARY",
     "REDLOCK_KINDS",
@@ -144,6 +145,8 @@ class FaultKind(enum.StrEnum):
     SERVER_CUT = "server_cut"
     SERVER_RESTART = "server_restart"
     MIGRATE = "migrate"
+    RUNNER_KILL = "runner_kill"
+    RUNNER_STOP = "runner_stop"
 
     def __str__(self) -> str:
         return self.value
@@ -183,6 +186,40 @@ REDLOCK_KINDS: Final = (
 )
 """The kinds of the Redlock mode: one of its servers at a time, or a holder."""
 
+JOB_KINDS: Final[dict[str, tuple[FaultKind, ...]]] = {
+    "fenced": (
+        FaultKind.RUNNER_KILL,
+        FaultKind.RUNNER_STOP,
+        FaultKind.BLACKHOLE,
+        FaultKind.DELAY,
+        FaultKind.RESET,
+        FaultKind.FLUSH,
+        FaultKind.RESTART,
+        FaultKind.RUNNER_KILL,
+    ),
+    "every": (
+        FaultKind.RUNNER_STOP,
+        FaultKind.BLACKHOLE,
+        FaultKind.DELAY,
+        FaultKind.RESET,
+        FaultKind.STALL,
+        FaultKind.FLUSH,
+        FaultKind.RESTART,
+    ),
+    "run": (
+        FaultKind.RUNNER_STOP,
+        FaultKind.BLACKHOLE,
+        FaultKind.DELAY,
+        FaultKind.RESTART,
+        FaultKind.RUNNER_STOP,
+    ),
+}
+"""The kinds of the job sub-modes (``chaos._jobs``), whose processes the nemesis also
+kills (``runner_kill``: ``SIGKILL`` of a process running a job, restarted at once) and
+stops (``runner_stop``: ``SIGSTOP`` of its process group, the command of ``asynclock
+run`` with it, for 2.5-6 TTLs: sometimes past a period of ``--jobs every``); a kind
+listed twice comes twice as often."""
+
 SERVER_FAULTS: Final = frozenset(
     {FaultKind.SERVER_STOP, FaultKind.SERVER_CUT, FaultKind.SERVER_RESTART}
 )
@@ -198,10 +235,14 @@ DATA_LOSS: Final = frozenset({FaultKind.FLUSH, FaultKind.RESTART, FaultKind.SERV
 NETWORK: Final = frozenset({FaultKind.DELAY, FaultKind.BLACKHOLE, FaultKind.RESET})
 """Faults of the proxies, which hit every worker or one holder (see ``Fault.scope``)."""
 
+_PICKED: Final = frozenset(
+    {FaultKind.HOLDER_STOP, FaultKind.WAITER_STOP, FaultKind.RUNNER_KILL, FaultKind.RUNNER_STOP}
+)  # (kinds aimed at a process chosen by ``pick``)
 _WARMUP: Final = 2.0  # TTLs before the first fault
 _COOLDOWN: Final = 1.5  # TTLs of calm after the last fault ends
 _GAP: Final = (1.0, 2.0)  # TTLs between one fault's end and the next one's start
 _HOLDER_STOP: Final = 2.5  # TTLs a holder stays stopped
+_RUNNER_STOP: Final = (2.5, 6.0)  # TTLs a runner stays stopped (the job modes)
 _HOLDER_WAIT: Final = 1.0  # TTLs to wait for some worker to hold a lock (then: skip/any)
 _HOLDER_SCOPE: Final = 0.6  # share of network faults that hit one holder only
 _GRANT_WAIT: Final = 1.5  # TTLs a failover waits for a grant before it kills all the same
@@ -272,9 +313,7 @@ class Fault:
             text += f"{self.duration - self.amount:.2f}s for one)"
         if self.kind in SERVER_FAULTS:
             text += f" (pick {self.pick:.3f}: one server of several)"
-        if self.kind in (FaultKind.HOLDER_STOP, FaultKind.WAITER_STOP) or (
-            self.scope == "holder" and self.kind is not FaultKind.FAILOVER
-        ):
+        if self.kind in _PICKED or (self.scope == "holder" and self.kind is not FaultKind.FAILOVER):
             text += f" (pick {self.pick:.3f})"
         return text
 
@@ -330,6 +369,8 @@ def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float
         amount = rng.uniform(0.0, 0.75) * ttl
     elif kind is FaultKind.HOLDER_STOP:
         duration = _HOLDER_STOP * ttl
+    elif kind is FaultKind.RUNNER_STOP:
+        duration = rng.uniform(*_RUNNER_STOP) * ttl
     elif kind is FaultKind.WAITER_STOP:
         duration = max(_HOLDER_STOP * ttl, WAITER_STOP_SECONDS)
     elif kind in (FaultKind.SERVER_STOP, FaultKind.SERVER_CUT):

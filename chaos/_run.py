@@ -53,6 +53,7 @@ from asynclock.testing import (
 from ._cluster import ChaosCluster, ClusterNemesis, make_cluster_schedule
 from ._nemesis import (
     FAIR_KINDS,
+    JOB_KINDS,
     REDLOCK_KINDS,
     Fault,
     Nemesis,
@@ -122,6 +123,9 @@ class ChaosConfig:
             each, workers on ``RedisCluster`` clients, and a nemesis that migrates the
             leased slots and kills primaries (``chaos._cluster``); leases use
             ``min_replicas``.
+        jobs_mode: a job sub-mode of its own run (``chaos._jobs``): ``fenced``
+            (``once()`` with fenced effects, runners killed and stopped), ``every``
+            (``every()`` on skewed clocks) or ``run`` (``asynclock run`` commands).
     """
 
     seed: int
@@ -143,6 +147,7 @@ class ChaosConfig:
     redlock: int = 0
     jobs: bool = False
     cluster: bool = False
+    jobs_mode: str = ""
 
     def schedule(self) -> tuple[Fault, ...]:
         """The faults this run's seed schedules (failovers alone in the failover mode,
@@ -155,6 +160,8 @@ class ChaosConfig:
             return make_schedule(self.seed, self.seconds, self.ttl, FAIR_KINDS)
         if self.redlock:
             return make_schedule(self.seed, self.seconds, self.ttl, REDLOCK_KINDS)
+        if self.jobs_mode:
+            return make_schedule(self.seed, self.seconds, self.ttl, JOB_KINDS[self.jobs_mode])
         return make_schedule(self.seed, self.seconds, self.ttl)
 
     @property
@@ -169,6 +176,8 @@ class ChaosConfig:
             return "redlock"
         if self.jobs:
             return "jobs"
+        if self.jobs_mode:
+            return f"jobs-{self.jobs_mode}"
         if self.shared:
             return "shared"
         if self.fair:
@@ -222,6 +231,8 @@ class ChaosConfig:
             parts.append("--jobs")
         if self.cluster:
             parts.append(f"--cluster --min-replicas {self.min_replicas}")
+        if self.jobs_mode:
+            parts.append(f"--jobs {self.jobs_mode}")
         return " ".join(parts)
 
 
@@ -613,6 +624,10 @@ async def run_chaos(config: ChaosConfig, log: TextIO | None = None) -> tuple[Sum
         RuntimeError: no server binary, a server or worker that did not start.
     """
     log = sys.stderr if log is None else log
+    if config.jobs_mode:
+        from ._jobs import run_job_mode  # (it imports this module)
+
+        return await run_job_mode(config, log)
     workdir = Path(tempfile.mkdtemp(prefix="asynclock-chaos-"))
     server: RedisServer | None = None
     passed = False
@@ -699,6 +714,8 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
         mode = ", jobs mode (once())"
     elif config.cluster:
         mode = f", cluster mode (3 primaries + replicas, min_replicas {config.min_replicas})"
+    elif config.jobs_mode:
+        mode = f", jobs mode ({config.jobs_mode})"
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "
