@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import asynclock
 from asynclock.testing import ServerInfo
@@ -186,3 +187,82 @@ async def test_bad_input_before_any_io(
     with pytest.raises(error, match=match):
         await asynclock.every(client, name, period, func, **arguments)
     await client.aclose()
+
+
+async def test_a_redis_error_at_a_tick_s_claim_is_logged_and_the_schedule_goes_on(
+    redis_server: ServerInfo, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis cannot be reached when a tick is claimed: that tick is skipped with a warning
+    and the schedule goes on (the chaos run's every mode found every() ending instead,
+    on the ConnectionError of the claim)."""
+
+    class Flaky(Redis):
+        failures = 1
+
+        async def set(self, name: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.failures and ":tick:" in str(name):
+                self.failures -= 1
+                raise RedisConnectionError("Connection closed by server.")
+            return await super().set(name, *args, **kwargs)
+
+    client = Flaky.from_url(redis_server.url)
+    assert isinstance(client, Flaky)
+    ran = asyncio.Event()
+
+    async def job() -> None:
+        ran.set()
+
+    caplog.set_level(logging.WARNING, logger="asynclock")
+    task = asyncio.create_task(asynclock.every(client, "flaky", 0.2, job, prefix=prefix))
+    waiter = asyncio.create_task(ran.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        assert ran.is_set(), task
+        assert client.failures == 0
+        assert any("could not claim" in r.getMessage() for r in caplog.records)
+    finally:
+        for each in (task, waiter):
+            each.cancel()
+        await asyncio.wait({task, waiter})
+        await client.aclose()
+
+
+async def test_a_tick_woken_for_late_is_skipped(
+    client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that wakes for its tick more than half a period late (a stopped process, a
+    stalled loop) skips it: the claim of the server that ran it in time is kept a period
+    only, and may be gone, so running it would run the tick twice (the chaos run's every
+    mode found it, with a worker stopped past a period)."""
+    period = 0.4
+    ran_on_time: list[float] = []
+    ran_late: list[float] = []
+    woke_late = asyncio.Event()
+    real_sleep = asyncio.sleep
+    late_task: asyncio.Task[Any] | None = None
+
+    async def sleep(delay: float, result: Any = None) -> Any:
+        if asyncio.current_task() is late_task and not woke_late.is_set():
+            await real_sleep(delay + 1.5 * period)  # (stopped across its tick)
+            woke_late.set()
+            return result
+        return await real_sleep(delay, result)
+
+    async def on_time() -> None:
+        ran_on_time.append(time.time())
+
+    async def late() -> None:
+        ran_late.append(time.time())
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    first = asyncio.create_task(asynclock.every(client, "late", period, on_time, prefix=prefix))
+    late_task = asyncio.create_task(asynclock.every(client, "late", period, late, prefix=prefix))
+    try:
+        await asyncio.wait_for(woke_late.wait(), 5)
+        await real_sleep(0.1)  # (its run of the stale tick would be now; the next is 0.2 s off)
+        assert ran_on_time  # (the other server ran the ticks in time, that one included)
+        assert not ran_late, "a tick whose claim had expired was run again"
+    finally:
+        for task in (first, late_task):
+            task.cancel()
+        await asyncio.wait({first, late_task})

@@ -13,7 +13,10 @@ fires the same tick later, finds the claim, and skips it: the claim is kept for 
 (the gap to the next tick, for cron), so a clock late by less than half a period never
 runs a tick twice (the claim outlives any such late firing, and a later tick has a claim
 of its own). Ticks missed while a run lasted, or while the process slept, are not caught
-up.
+up: a server that wakes for its tick more than half a period late (stopped, or its event
+loop stalled) skips it, since the claim of a server that ran it in time may have expired
+by then; a tick whose claim Redis did not answer is skipped too (logged), and the
+schedule goes on.
 """
 
 from __future__ import annotations
@@ -82,6 +85,16 @@ async def every(
     while True:
         tick, until_next = ticks(time.time())
         await asyncio.sleep(max(0.0, tick - time.time()))
+        late = time.time() - tick
+        if late > until_next / 2:  # (past the claim's promise: see the design note)
+            log.warning(
+                "skipped the tick of %r at %s: woke %.3fs after it (a stopped process or a "
+                "stalled event loop); missed ticks are not caught up",
+                name,
+                _at(tick),
+                late,
+            )
+            continue
         await _run_tick(redis, name, tick, until_next, func, args, lease_ttl, prefix)
 
 
@@ -98,7 +111,12 @@ async def _run_tick(
     """Run the tick at ``tick`` (Unix time) here, unless another server did or a run
     still goes on; its done mark is kept ``keep`` seconds."""
     mark = f"{prefix}{{{name}}}:tick:{round(tick * 1000)}"
-    if not await redis.set(mark, "claimed", nx=True, px=_ms(keep)):
+    try:
+        claimed = await redis.set(mark, "claimed", nx=True, px=_ms(keep))
+    except Exception as exc:  # (Redis unreachable for a moment: the schedule goes on)
+        log.warning("could not claim the tick of %r at %s, skipped: %r", name, _at(tick), exc)
+        return
+    if not claimed:
         log.debug("the tick of %r at %s runs on another server", name, _at(tick))
         return
     try:
