@@ -3,14 +3,15 @@
 Each run is an ordinary chaos run (:func:`~chaos._run.run_chaos`) of one mode, in turn:
 the mutex, the semaphore (2 locks of 2 permits), the shared mode (half the rounds shared),
 the fair mode (one lock), the failover mode (``min_replicas=1``), the Redlock mode (three
-servers), the jobs mode (``once()``), the cluster mode (``min_replicas=1``); every
-second pass holds half its rounds with ``acquire()``, ``guard()`` and ``release()``
-instead of ``async with``
-(``--detached 0.5``), so both lease forms are soaked. Run ``i`` has seed ``seed + i``; a
-run lasts ``MINUTES / 8`` clamped to 15-60 s, and no run starts that would end past the
-time given (the last one is shortened, down to 15 s). One table is printed at the end: per
-mode, runs, faults by kind, acquisitions, losses and every must-be-0 figure summed, then
-the replay command of every run that failed (whose work directory is kept).
+servers), the jobs mode (``once()``), the cluster mode (``min_replicas=1``) and the job
+sub-modes (``chaos._jobs``: fenced effects, ``every()``, ``asynclock run``); every second
+pass holds half its rounds with ``acquire()``, ``guard()`` and ``release()`` instead of
+``async with`` (``--detached 0.5``), so both lease forms are soaked (the sub-modes hold
+no lease of their own: never detached). Run ``i`` has seed ``seed + i``; a run lasts
+``MINUTES / len(MODES)`` clamped to 15-60 s, and no run starts that would end past the
+time given (the last one is shortened, down to 15 s). One table is printed at the end:
+per mode, runs, faults by kind, acquisitions, losses and every must-be-0 figure summed,
+then the replay command of every run that failed (whose work directory is kept).
 
 Design note: runs are sequential, each in its own event loop (``asyncio.run``), so a run
 that could not be carried out (exit 2 of a single run) is counted and the soak goes on;
@@ -47,6 +48,9 @@ MODES: Final[tuple[tuple[str, Mapping[str, Any]], ...]] = (
     ("redlock", {"redlock": 3}),
     ("jobs", {"jobs": True}),
     ("cluster", {"cluster": True, "min_replicas": 1}),
+    ("jobs-fenced", {"jobs_mode": "fenced"}),
+    ("jobs-every", {"jobs_mode": "every"}),
+    ("jobs-run", {"jobs_mode": "run"}),
 )
 """The modes a soak rotates, in order, with the options each run of them gets."""
 
@@ -71,7 +75,7 @@ def plan(seed: int, minutes: float, base: ChaosConfig | None = None) -> list[Cha
         index = len(runs)
         _, options = MODES[index % len(MODES)]
         seconds = min(length, total - used - _OVERHEAD)
-        detached = 0.5 if (index // len(MODES)) % 2 else 0.0
+        detached = 0.5 if (index // len(MODES)) % 2 and "jobs_mode" not in options else 0.0
         runs.append(
             dataclasses.replace(
                 base,
@@ -97,8 +101,9 @@ _MUST_BE_0: Final = (
         "own",
         "the mode's own: double grants (failover), starved writers (shared), grants out "
         "of order and slow handovers (fair), overlaps after one server's data loss longer "
-        "than a TTL (redlock), job results stored twice (jobs), leases lost to a slot "
-        "migration and double grants across a failover (cluster)",
+        "than a TTL (redlock), job results stored twice (jobs; in jobs-fenced also effects "
+        "applied twice and callers given two effects), ticks run twice (jobs-every), leases "
+        "lost to a slot migration and double grants across a failover (cluster)",
     ),
 )
 

@@ -38,6 +38,7 @@ from asynclock.testing import (
     check_no_overlap,
 )
 from chaos import FaultKind, make_schedule
+from chaos import _jobcheck as jobcheck
 from chaos.__main__ import main
 from chaos._cluster import (
     CLUSTER_KINDS,
@@ -46,6 +47,7 @@ from chaos._cluster import (
     make_cluster_schedule,
     migration_losses,
 )
+from chaos._jobs import PERIOD_TTLS, skews
 from chaos._modes import (
     exclusive_waits,
     fair_bound,
@@ -56,6 +58,7 @@ from chaos._modes import (
 )
 from chaos._nemesis import (
     FAIR_KINDS,
+    JOB_KINDS,
     ORDINARY,
     REDLOCK_KINDS,
     Fault,
@@ -945,11 +948,12 @@ def test_replay_names_the_shared_and_fair_modes():
 
 
 def test_the_soak_rotates_every_mode_and_adds_up_one_table():
-    runs = plan(100, 6.0)
+    runs = plan(100, 9.0)
     assert [c.seed for c in runs] == list(range(100, 100 + len(runs)))
     modes = ["mutex", "semaphore", "shared", "fair", "failover", "redlock", "jobs", "cluster"]
+    modes += ["jobs-fenced", "jobs-every", "jobs-run"]
     assert [c.mode for c in runs] == modes
-    assert sum(c.seconds + 3.0 for c in runs) <= 6.0 * 60 + 1e-6
+    assert sum(c.seconds + 3.0 for c in runs) <= 9.0 * 60 + 1e-6
     assert all(15 <= c.seconds <= 60 for c in runs)
     assert {c.detached for c in plan(100, 20.0)} == {0.0, 0.5}  # both lease forms
 
@@ -1275,6 +1279,189 @@ def test_chaos_run_of_a_cluster(tmp_path: Path) -> None:
     assert "cluster mode (3 primaries + replicas, min_replicas 1)" in out
 
 
+# -- the job sub-modes (chaos._jobs) -----------------------------------------------------
+
+
+def _run(key: str, who: str, start: float, end: float, label: str = "") -> jobcheck.Run:
+    return jobcheck.Run(key, who, start, end, label or f"{who}@{start:g}")
+
+
+def test_job_runs_overlap_unless_a_pause_or_a_data_loss_explains_it() -> None:
+    stop = jobcheck.Hit("runner_stop", 10.0, 12.0, target="w1.0")
+    flush = jobcheck.Hit("flush", 20.0, 20.1, data_loss=True)
+    runs = [
+        _run("a", "w0.0", 1.0, 2.0),
+        _run("a", "w1.0", 1.5, 2.5),  # overlaps the first: not excused
+        _run("a", "w1.0", 11.0, 13.0),  # stopped while it ran
+        _run("a", "w2.0", 12.5, 13.5),
+        _run("a", "w0.0", 19.0, 20.5),  # still running when the server lost its keys
+        _run("a", "w2.0", 20.2, 21.0),
+        _run("b", "w3.0", 1.2, 1.8),  # another key: no overlap with "a"
+    ]
+    found = jobcheck.overlaps(runs, [stop, flush], TTL)
+    assert [(a.start, b.start) for a, b in found.unexcused] == [(1.0, 1.5)]
+    assert [(a.start, b.start) for a, b in found.paused] == [(11.0, 12.5)]
+    assert [(a.start, b.start) for a, b in found.after_loss] == [(19.0, 20.2)]
+    assert jobcheck.longest(found.after_loss) == pytest.approx(0.3)
+
+
+def test_a_fenced_run_ends_at_its_end_its_stop_its_round_or_its_kill() -> None:
+    records = [
+        {"e": "start", "t": 1.0, "key": "k", "who": "w0.0/t0", "run": "w0.0/t0#1"},
+        {"e": "end", "t": 2.0, "key": "k", "who": "w0.0/t0", "run": "w0.0/t0#1"},
+        {"e": "start", "t": 3.0, "key": "k", "who": "w1.0/t1", "run": "w1.0/t1#1"},
+        {"e": "stop", "t": 3.5, "key": "k", "who": "w1.0/t1", "run": "w1.0/t1#1"},
+        {"e": "round", "t": 3.9, "key": "k", "who": "w1.0/t1", "run": "w1.0/t1#1"},
+        {"e": "start", "t": 5.0, "key": "k", "who": "w2.0/t0", "run": "w2.0/t0#1"},
+        {"e": "start", "t": 7.0, "key": "k", "who": "w3.0/t0", "run": "w3.0/t0#1"},
+    ]
+    kill = jobcheck.Hit("runner_kill", 6.0, 6.2, target="w2.0")
+    runs = jobcheck.fenced_runs(records, [kill], until=9.0)
+    assert [(r.who, r.start, r.end) for r in runs] == [
+        ("w0.0", 1.0, 2.0),
+        ("w1.0", 3.0, 3.5),
+        ("w2.0", 5.0, 6.0),
+        ("w3.0", 7.0, 9.0),
+    ]
+
+
+def test_an_effect_written_twice_is_caught_and_a_refused_write_is_not_counted() -> None:
+    def attempt(seq: int, key: str, op: str, accepted: bool) -> Any:
+        from asynclock.testing import Attempt
+
+        return Attempt(seq, key, op, None if op == "unfenced" else seq, accepted, 0.0, "w")  # type: ignore[arg-type]
+
+    attempts = [
+        attempt(1, "effect:a", "claim", True),
+        attempt(2, "effect:a", "write", True),
+        attempt(3, "effect:a", "write", False),
+        attempt(4, "effect:b", "write", True),
+        attempt(5, "effect:c", "unfenced", True),
+        attempt(6, "effect:c", "unfenced", True),
+    ]
+    assert list(jobcheck.effects_applied_twice(attempts)) == ["effect:c"]
+
+
+def test_a_result_stored_twice_is_caught_unless_a_data_loss_came_between() -> None:
+    records = [
+        {"e": "round", "t": 2.0, "key": "k", "run": "a#1", "ran": "a#1", "result": "a#1"},
+        {"e": "round", "t": 4.0, "key": "k", "run": "b#1", "ran": "a#1", "result": "a#1"},
+        {"e": "round", "t": 8.0, "key": "k", "run": "c#1", "ran": "a#1", "result": "a#1"},
+        {"e": "round", "t": 9.0, "key": "k", "run": "d#1", "ran": None, "result": "zz"},
+    ]
+    runs = [
+        _run("k", "a", 1.0, 2.0, "a#1"),
+        _run("k", "b", 3.0, 4.0, "b#1"),
+        _run("k", "c", 7.0, 8.0, "c#1"),
+    ]
+    flush = jobcheck.Hit("flush", 5.0, 5.1, data_loss=True)
+    twice, after_loss = jobcheck.stored_twice(records, runs, [flush])
+    assert [(a.label, b.label) for a, b in twice] == [("a#1", "b#1")]
+    assert [(a.label, b.label) for a, b in after_loss] == [("b#1", "c#1")]
+    assert [(a["run"], b["result"]) for a, b in jobcheck.result_conflicts(records)] == [
+        ("a#1", "zz")
+    ]
+
+
+def test_a_tick_run_twice_is_caught_unless_its_claim_may_have_been_flushed() -> None:
+    runs = [
+        _run("tick-job-0", "w0.0", 1.0, 1.1, "tick-job-0@1000"),
+        _run("tick-job-0", "w1.0", 1.6, 1.7, "tick-job-0@1000"),  # a late clock: twice
+        _run("tick-job-0", "w0.0", 4.0, 4.1, "tick-job-0@4000"),
+        _run("tick-job-0", "w2.0", 4.8, 4.9, "tick-job-0@4000"),  # after the flush
+        _run("tick-job-1", "w1.0", 1.6, 1.7, "tick-job-1@1000"),  # another job's tick
+    ]
+    flush = jobcheck.Hit("flush", 4.5, 4.6, data_loss=True)
+    twice, after_loss = jobcheck.ticks_run_twice(runs, [flush], period=3.0)
+    assert [b.who for _, b in twice] == ["w1.0"]
+    assert [b.who for _, b in after_loss] == ["w2.0"]
+    records = [{"e": "tick", "t": 1.0, "who": "w0.0", "job": "j", "tick": 5}]
+    assert jobcheck.tick_runs(records, until=2.0) == [_run("j", "w0.0", 1.0, 2.0, "j@5")]
+
+
+def test_a_command_lives_from_its_first_line_to_its_last() -> None:
+    records = [
+        {"e": "cmd-start", "t": 1.0, "id": "w0.0#1"},
+        {"e": "cmd-beat", "t": 1.04, "id": "w0.0#1"},
+        {"e": "cmd-beat", "t": 1.08, "id": "w0.0#1"},  # then killed
+        {"e": "exit", "t": 1.2, "id": "w0.0#1", "status": 75},
+        {"e": "cmd-start", "t": 2.0, "id": "w1.0#3"},
+        {"e": "cmd-end", "t": 2.5, "id": "w1.0#3"},
+    ]
+    assert jobcheck.command_runs(records) == [
+        _run("cron-job", "w0.0", 1.0, 1.08, "w0.0#1"),
+        _run("cron-job", "w1.0", 2.0, 2.5, "w1.0#3"),
+    ]
+
+
+def test_the_job_modes_schedule_their_own_faults_and_name_themselves() -> None:
+    for mode, kinds in JOB_KINDS.items():
+        config = ChaosConfig(seed=SEED, jobs_mode=mode, seconds=120)
+        assert {f.kind for f in config.schedule()} == set(kinds)
+        assert config.mode == f"jobs-{mode}"
+        assert config.replay().endswith(f"--jobs {mode}")
+    stops = [f for f in ChaosConfig(seed=1, jobs_mode="every", seconds=600).schedule()]
+    lengths = [f.duration for f in stops if f.kind is FaultKind.RUNNER_STOP]
+    assert min(lengths) >= 2.5 * TTL
+    assert max(lengths) > 4 * TTL
+    period = PERIOD_TTLS * TTL
+    for seed in range(20):
+        clocks = skews(seed, 4, period)
+        assert max(clocks) - min(clocks) < period / 2  # (what every() promises to absorb)
+        assert [c > 0 for c in clocks] == [True, False, True, False]
+
+
+@pytest.mark.parametrize(
+    ("args", "jobs", "jobs_mode"),
+    [(["--jobs"], True, ""), (["--jobs", "once"], True, ""), (["--jobs", "run"], False, "run")],
+)
+def test_jobs_alone_is_the_once_mode_and_a_kind_picks_a_sub_mode(
+    args: list[str], jobs: bool, jobs_mode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*args, "--seed", "3", "--seconds", "15", "--print-schedule"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    config = ChaosConfig(seed=3, seconds=15, jobs=jobs, jobs_mode=jobs_mode)
+    assert lines == [fault.describe() for fault in config.schedule()]
+
+
+_JOB_RUNS = {  # mode: (seed, seconds, the faults its schedule must have brought)
+    "fenced": ("1", "15", {"runner_kill", "runner_stop", "flush", "restart"}),
+    "every": ("2", "15", {"runner_stop", "flush", "restart"}),
+    "run": ("3", "15", {"runner_stop", "restart", "blackhole", "delay"}),
+}
+
+
+@needs_server
+@pytest.mark.parametrize("mode", sorted(_JOB_RUNS))
+def test_chaos_run_of_a_job_mode(tmp_path: Path, mode: str) -> None:
+    """15 s of each job sub-mode (see docs/chaos.md): ``once()`` callers whose runners
+    are killed and stopped apply every job's effect once and get one result per key;
+    ``every()`` on four clocks skewed up to a quarter period runs each tick once;
+    ``asynclock run`` commands of four machines (half ignoring SIGTERM) never overlap."""
+    seed, seconds, kinds = _JOB_RUNS[mode]
+    summary, out = _summary(
+        "--seconds", seconds, "--seed", seed, "--jobs", mode, tmp=tmp_path, timeout=90
+    )
+    assert summary["ok"], out
+    assert summary["mode"] == f"jobs-{mode}"
+    assert kinds <= set(summary["faults"]["by_kind"]), summary["faults"]
+    assert summary["overlap"]["unpaused"]["count"] == 0
+    assert summary["workers_died"] == []
+    jobs = summary["jobs"]
+    assert jobs["stored_twice"] == 0
+    if mode == "fenced":
+        assert jobs["runs"] >= 10, jobs
+        assert jobs["effects_applied_twice"] == 0
+        assert summary["fenced_writes"]["stale_accepted"] == 0
+        assert summary["fenced_writes"]["applied"] >= 5
+    elif mode == "every":
+        assert jobs["ticks"] >= 8, jobs
+        assert jobs["ticks_run_twice"] == 0
+    else:
+        assert jobs["commands"] >= 5, jobs
+        assert jobs["exit_status"].get("3", 0) > 0, jobs  # (machines found it busy)
+
+
 @needs_server
 @pytest.mark.slow
 def test_the_cluster_checks_catch_a_migration_that_loses_the_lease(tmp_path: Path) -> None:
@@ -1298,3 +1485,27 @@ def test_the_cluster_checks_catch_a_migration_that_loses_the_lease(tmp_path: Pat
     assert len(failed) == 1, out
     assert "--sabotage" in failed[0]
     assert "--cluster --min-replicas 1" in failed[0]
+
+
+@needs_server
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(_JOB_RUNS))
+def test_the_job_mode_checks_catch_their_sabotage(tmp_path: Path, mode: str) -> None:
+    """Negative controls, 15 s each: fenced jobs that ignore their lease's loss and write
+    their effect unfenced apply it twice; the old ``lease(blocking=False)`` recipe on
+    skewed clocks runs ticks twice; commands that fork into the background overlap."""
+    seed, seconds, _ = _JOB_RUNS[mode]
+    summary, out = _summary(
+        "--seconds", seconds, "--seed", seed, "--jobs", mode, "--sabotage",
+        tmp=tmp_path, timeout=90, status=1,
+    )  # fmt: skip
+    jobs = summary["jobs"]
+    if mode == "fenced":
+        assert jobs["effects_applied_twice"] > 0, jobs
+    elif mode == "every":
+        assert jobs["ticks_run_twice"] > 0, jobs
+    else:
+        assert summary["overlap"]["unpaused"]["count"] > 0
+    failed = [line for line in out.splitlines() if line.startswith("FAILED: replay with")]
+    assert len(failed) == 1, out
+    assert failed[0].endswith(f"--sabotage --jobs {mode}")
