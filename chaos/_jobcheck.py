@@ -18,11 +18,12 @@ ended and was still running when it began (the lease's key was forgotten: docume
 **Fenced** (``--jobs fenced``): every accepted write of a job's effect key is one
 application of its effect: more than one for a key is an *effect applied twice*, whatever
 happened to Redis (the fence and the look at the effect's key live in the store, which
-no fault of Redis touches). Every caller that returns a result returns the same one; a
-run's caller that returned a result stored it: two of those for one key are a *result
-stored twice*, unless a data loss came between the first one's end and the second one's
-start (the stored result was forgotten by design: counted apart, as is every run of a
-key after a data loss).
+no fault of Redis touches). A job's result is ``<the run whose effect was applied>@<the
+run that stores it>``: every caller of a key must be given the same effect, whatever
+happened (the first part); and two results for one key are two stores, a *result stored
+twice*, unless a data loss came between, by the jobs mode's rule
+(:func:`chaos._modes.job_results`: the stored result was forgotten by design, counted
+apart, as is every run of a key after a data loss).
 
 **Every** (``--jobs every``): each tick (the claim's time in ms) runs at most once; a
 second run of a tick after a data loss that may have erased its claim (the window began
@@ -32,22 +33,25 @@ before the second run, and ended after ``period`` before the first) is counted a
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from asynclock.testing import Attempt
 
+from ._modes import JobConflict, job_results
+from ._summary import RoundReport
+
 __all__ = [
     "Hit",
     "Run",
     "command_runs",
+    "effect_of",
     "effects_applied_twice",
+    "effects_differ",
     "fenced_runs",
     "overlaps",
-    "result_conflicts",
-    "stored_twice",
+    "stored_results",
     "tick_runs",
     "ticks_run_twice",
 ]
@@ -179,9 +183,15 @@ def effects_applied_twice(attempts: Iterable[Attempt]) -> dict[str, list[Attempt
     return {key: writes for key, writes in applied.items() if len(writes) > 1}
 
 
-def result_conflicts(records: Sequence[Record]) -> list[tuple[Record, Record]]:
-    """Pairs of rounds of one key that returned different results (in the order they
-    returned)."""
+def effect_of(result: str) -> str:
+    """The effect part of a fenced job's result, ``<effect's run id>@<storing run id>``:
+    the run whose effect was applied."""
+    return result.partition("@")[0]
+
+
+def effects_differ(records: Sequence[Record]) -> list[tuple[Record, Record]]:
+    """Pairs of rounds of one key whose results name two different effects (in the
+    order they returned): the effect is applied once, whatever Redis forgot, so never."""
     by_key: dict[str, list[Record]] = defaultdict(list)
     for record in records:
         if record["e"] == "round" and record.get("result") is not None:
@@ -189,30 +199,37 @@ def result_conflicts(records: Sequence[Record]) -> list[tuple[Record, Record]]:
     found = []
     for group in by_key.values():
         group.sort(key=lambda r: r["t"])
-        found += [(group[0], r) for r in group[1:] if r["result"] != group[0]["result"]]
+        effect = effect_of(group[0]["result"])
+        found += [(group[0], r) for r in group[1:] if effect_of(r["result"]) != effect]
     return found
 
 
-def stored_twice(
-    records: Sequence[Record], runs: Sequence[Run], hits: Sequence[Hit]
-) -> tuple[list[tuple[Run, Run]], list[tuple[Run, Run]]]:
-    """Pairs of runs of one key whose callers both returned a result (each stored it):
-    those no data loss explains (must be none), and those after a data loss."""
-    storing = {r["run"] for r in records if r["e"] == "round" and r.get("ran") and r.get("result")}
-    lost = losses(hits)
-    by_key: dict[str, list[Run]] = defaultdict(list)
-    for run in runs:
-        if run.label in storing:
-            by_key[run.key].append(run)
-    twice, after_loss = [], []
-    for group in by_key.values():
-        group.sort(key=lambda r: r.start)
-        for first, second in itertools.pairwise(group):
-            if any(s < second.start and e > first.end for s, e in lost):
-                after_loss.append((first, second))
-            else:
-                twice.append((first, second))
-    return twice, after_loss
+def stored_results(records: Sequence[Record], hits: Sequence[Hit]) -> list[JobConflict]:
+    """Every change of the result returned for a key, by the jobs mode's rule
+    (:func:`chaos._modes.job_results`): each run's result names the run that stored it,
+    so two results for a key are two stores, unless a data loss came between (marked
+    ``after_data_loss``)."""
+    ended = {r["run"]: r["t"] for r in records if r["e"] == "end"}
+    rounds = [
+        RoundReport(
+            worker=r["who"],
+            lock=r["key"],
+            fence=None,
+            outcome="error" if r.get("error") else "released",
+            reason=None,
+            error=r.get("error"),
+            body_start=None,
+            body_end=ended.get(r.get("run") or ""),
+            safe_until=None,
+            lost_at=None,
+            waited_until=r["t"],
+            result=r.get("result"),
+            ran=r.get("ran"),
+        )
+        for r in records
+        if r["e"] == "round"
+    ]
+    return job_results(rounds, losses(hits))
 
 
 def runs_again(runs: Sequence[Run], hits: Sequence[Hit]) -> Counter[str]:

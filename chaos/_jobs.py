@@ -381,11 +381,13 @@ def _fenced_figures(
     )
     figures.must_be_0("effect applied twice", [(k, *w) for k, w in twice.items()], "effect keys")
     figures.must_be_0("stale accepted", stale, "fenced writes with a stale token")
-    conflicts = check.result_conflicts(rounds)
-    figures.must_be_0("results differ", conflicts, "callers of one key given two results")
-    stored, stored_after_loss = check.stored_twice(records, runs, hits)
+    differ = check.effects_differ(rounds)
+    figures.must_be_0("effects differ", differ, "callers of one key given two effects")
+    changes = check.stored_results(records, hits)
+    stored = [c for c in changes if not c.after_data_loss]
     figures.must_be_0("result stored twice", stored, "no data loss between")
-    figures.lines.append(f"  stored again after a data loss: {len(stored_after_loss)} (by design)")
+    restored = len(changes) - len(stored)
+    figures.lines.append(f"  stored again after a data loss: {restored} (by design)")
     figures.data.update(
         {
             "acquisitions": {"total": len(runs)},
@@ -394,10 +396,10 @@ def _fenced_figures(
                 "calls": dict(outcomes),
                 "runs": len(runs),
                 "runs_again": dict(again),
-                "stored_twice": len(stored) + len(twice) + len(conflicts),
+                "stored_twice": len(stored) + len(twice) + len(differ),
                 "effects_applied_twice": len(twice),
-                "results_differ": len(conflicts),
-                "stored_again_after_data_loss": len(stored_after_loss),
+                "effects_differ": len(differ),
+                "stored_again_after_data_loss": restored,
             },
         }
     )

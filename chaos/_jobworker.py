@@ -14,7 +14,8 @@ dies with the parent (``PR_SET_PDEATHSIG``).
 - ``fenced``: contenders call ``once()`` for the job keys of the moment; the job applies
   its effect to the shared :class:`~asynclock.testing.FencedStore` through the fence:
   claim ``effect:<key>`` with the lease's fencing token, read it, and write the run's
-  id unless an earlier run's effect is there already (then that one is the job's result).
+  id unless an earlier run's effect is there already; the job returns
+  ``<the run whose effect is there>@<its own run id>``.
   ``once()`` does not hand the job its lease, so the token comes from the process's
   event hook: the ``acquired`` event is reported in the caller's task just before the
   job runs, and the hook keeps its token in a context variable of that task.
@@ -373,9 +374,10 @@ class _FencedJob:
             raise
         finally:
             process.ended()
-        records("end", key=self.key, who=self.who, run=self.run_id, fence=token, value=value)
-        self.ended = value
-        return value
+        result = f"{value}@{self.run_id}"  # (the effect's run, and the one storing it)
+        records("end", key=self.key, who=self.who, run=self.run_id, fence=token, value=result)
+        self.ended = result
+        return result
 
     async def _work(self, token: int) -> str:
         ttl = self.process.config.ttl

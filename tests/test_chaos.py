@@ -1343,24 +1343,36 @@ def test_an_effect_written_twice_is_caught_and_a_refused_write_is_not_counted() 
 
 
 def test_a_result_stored_twice_is_caught_unless_a_data_loss_came_between() -> None:
+    """A fenced job's result names the run whose effect was applied and the run storing
+    it: a second store of a key is caught unless a data loss came between; a result
+    naming another effect is caught whatever happened (found first by ``--jobs fenced
+    --seed 11 --seconds 30``: a caller cut off while storing was given the read-back
+    result of the run that stored it next, which is no second store)."""
+
+    def call(who: str, t: float, result: str, run: str | None = None) -> dict[str, Any]:
+        ran = result if run else None
+        return {"e": "round", "t": t, "key": "k", "who": who, "run": run, "ran": ran,
+                "result": result}  # fmt: skip
+
     records = [
-        {"e": "round", "t": 2.0, "key": "k", "run": "a#1", "ran": "a#1", "result": "a#1"},
-        {"e": "round", "t": 4.0, "key": "k", "run": "b#1", "ran": "a#1", "result": "a#1"},
-        {"e": "round", "t": 8.0, "key": "k", "run": "c#1", "ran": "a#1", "result": "a#1"},
-        {"e": "round", "t": 9.0, "key": "k", "run": "d#1", "ran": None, "result": "zz"},
-    ]
-    runs = [
-        _run("k", "a", 1.0, 2.0, "a#1"),
-        _run("k", "b", 3.0, 4.0, "b#1"),
-        _run("k", "c", 7.0, 8.0, "c#1"),
+        {"e": "end", "t": 1.9, "run": "a#1"},
+        call("a", 2.0, "a#1@a#1", run="a#1"),
+        call("x", 2.1, "a#1@a#1"),
+        {"e": "end", "t": 3.9, "run": "b#1"},
+        call("b", 4.0, "a#1@b#1", run="b#1"),  # stored again, no data loss: twice
+        {"e": "end", "t": 6.9, "run": "c#1"},
+        call("c", 7.0, "a#1@c#1", run="c#1"),  # after the flush: by design
+        call("d", 7.5, "a#1@c#1", run="d#1"),  # cut off; given c's result read back
+        call("e", 9.0, "e#1@e#1"),  # another effect: never
     ]
     flush = jobcheck.Hit("flush", 5.0, 5.1, data_loss=True)
-    twice, after_loss = jobcheck.stored_twice(records, runs, [flush])
-    assert [(a.label, b.label) for a, b in twice] == [("a#1", "b#1")]
-    assert [(a.label, b.label) for a, b in after_loss] == [("b#1", "c#1")]
-    assert [(a["run"], b["result"]) for a, b in jobcheck.result_conflicts(records)] == [
-        ("a#1", "zz")
+    changes = jobcheck.stored_results(records, [flush])
+    assert [(c.first.who, c.second.who, c.after_data_loss) for c in changes] == [
+        ("a", "b", False),
+        ("b", "c", True),
+        ("c", "e", False),
     ]
+    assert [(a["who"], b["who"]) for a, b in jobcheck.effects_differ(records)] == [("a", "e")]
 
 
 def test_a_tick_run_twice_is_caught_unless_its_claim_may_have_been_flushed() -> None:
