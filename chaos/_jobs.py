@@ -513,6 +513,8 @@ def _summary(
         details += list(died)
         details += [f"{s.name}: {line}" for s in slots for line in list(s.stderr)[-5:]]
     data = {
+        "ok": not failures,
+        "failures": failures,
         "mode": f"jobs-{config.jobs_mode}",
         "seed": config.seed,
         "seconds": config.seconds,
