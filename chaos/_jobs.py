@@ -242,6 +242,8 @@ class _JobRun:
                             await asyncio.shield(task)
                     task.cancel()
                     await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                raise RuntimeError("the nemesis failed") from task.exception()
             await nemesis.heal_all()
             await self._stop()
         finally:
@@ -336,6 +338,11 @@ def _pair(item: object) -> str:
     return str(item)
 
 
+def _listing(counts: Counter[str]) -> str:
+    """``"a 1, b 2"`` (sorted by key), or ``"none"``."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
 def _overlap_lines(
     figures: _Figures, runs: Sequence[check.Run], hits: Sequence[check.Hit], ttl: float
 ) -> None:
@@ -367,10 +374,9 @@ def _fenced_figures(
     outcomes = Counter(r["error"] or "result" for r in rounds)
     again = check.runs_again(runs, hits)
     figures.lines += [
-        f"  once() calls         {len(rounds)}: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())),
+        f"  once() calls         {len(rounds)}: {_listing(outcomes)}",
         f"  job runs             {len(runs)} on {len({r.key for r in runs})} keys; run again: "
-        + (", ".join(f"{k} {v}" for k, v in sorted(again.items())) or "none"),
+        + _listing(again),
     ]
     _overlap_lines(figures, runs, hits, ttl)
     twice = check.effects_applied_twice(attempts)
@@ -468,11 +474,10 @@ def _run_figures(records: list[dict[str, Any]], hits: list[check.Hit], ttl: floa
         if r.label not in ended
     )
     figures.lines += [
-        f"  asynclock run        {len(exits)} launched; exit status "
-        + ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))
-        + " (3: busy, 75: lease lost, 69: Redis unreachable)",
+        f"  asynclock run        {len(exits)} launched; exit status {_listing(statuses)} "
+        "(3: busy, 75: lease lost, 69: Redis unreachable)",
         f"  commands             {len(runs)} started, {len(ended)} ended by themselves, "
-        f"stopped: " + (", ".join(f"{k} {v}" for k, v in sorted(stopped.items())) or "none"),
+        f"stopped: {_listing(stopped)}",
     ]
     _overlap_lines(figures, runs, hits, ttl)
     figures.data.update(
@@ -500,8 +505,7 @@ def _summary(
     done = Counter(str(i.fault.kind) for i in injections if i.done)
     other = [f"{i.fault.kind}: {i.outcome}" for i in injections if not i.done]
     lines = [
-        f"  faults injected      {sum(done.values())}: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(done.items()))
+        f"  faults injected      {sum(done.values())}: {_listing(done)}"
         + (f" (not done: {'; '.join(other)})" if other else ""),
         *figures.lines,
         f"  workers died         {len(died)} (must be 0; killed by the nemesis aside)",
