@@ -71,6 +71,8 @@ def skews(seed: int, workers: int, period: float) -> list[float]:
 
 @dataclasses.dataclass(slots=True)
 class _Slot:
+    """A worker process of slot ``index`` (its generation's name, what it reports)."""
+
     index: int
     proc: asyncio.subprocess.Process
     name: str
@@ -302,6 +304,7 @@ class _JobRun:
 
 
 def _hit(injection: Injection) -> check.Hit:
+    """What the checks need of an injection."""
     return check.Hit(
         str(injection.fault.kind),
         injection.start,
@@ -319,6 +322,8 @@ def _hit(injection: Injection) -> check.Hit:
 
 @dataclasses.dataclass(slots=True)
 class _Figures:
+    """A sub-mode's summary lines, failures (with details) and JSON figures."""
+
     lines: list[str] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)
     details: list[str] = dataclasses.field(default_factory=list)

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from typing import Any, Final
@@ -179,14 +180,18 @@ class _Process:
         self.busy = 0
 
     def started(self) -> None:
+        """A job (a tick, a command) began here: tell the parent, whose nemesis aims at
+        busy processes."""
         self.busy += 1
         self.report("busy", on=self.busy)
 
     def ended(self) -> None:
+        """A job ended here (see :meth:`started`)."""
         self.busy -= 1
         self.report("busy", on=self.busy)
 
     async def run(self) -> int:
+        """Run the process's kind until stdin reaches EOF; the exit status (0)."""
         stop = asyncio.Event()
         watcher = asyncio.create_task(_wait_for_eof(stop))
         self.report("ready", pid=os.getpid())
@@ -409,8 +414,6 @@ class _FencedJob:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a worker process; ``argv[0]`` is a :class:`JobWorkerConfig` as JSON."""
-    import signal
-
     args = sys.argv[1:] if argv is None else argv
     config = JobWorkerConfig(**json.loads(args[0]))
     _die_with_parent(config.parent_pid)
