@@ -13,7 +13,8 @@ overlap unless excused, and counted apart: *paused*, when a ``SIGSTOP`` of the p
 of either overlapped ``[start - ttl, end]`` (a lease cannot stop a stopped process;
 fencing is the answer to that); *after data loss*, when a ``FLUSHALL`` or restart window
 began before the later run started and the earlier one had started before the window
-ended and was still running when it began (the lease's key was forgotten: documented).
+ended (or its lease granted, for a command) and was still running when it began (the
+lease's key was forgotten: documented).
 
 **Fenced** (``--jobs fenced``): every accepted write of a job's effect key is one
 application of its effect: more than one for a key is an *effect applied twice*, whatever
@@ -77,13 +78,17 @@ class Hit:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Run:
     """Something that must not overlap another of its ``key``: ``who`` (a process name)
-    ran it from ``start`` to ``end`` (seconds); ``label`` names it."""
+    ran it from ``start`` to ``end`` (seconds); ``label`` names it. ``granted``: the
+    earliest its lease may have been granted, when that may be well before ``start``
+    (an ``asynclock run`` command starts after its supervisor got the lease: from the
+    supervisor's launch); None: ``start``."""
 
     key: str
     who: str
     start: float
     end: float
     label: str
+    granted: float | None = None
 
     def __str__(self) -> str:
         return f"{self.label} ({self.who}) t={self.start:.3f}-{self.end:.3f}"
@@ -113,7 +118,8 @@ def _paused(run: Run, stopped: Mapping[str, Sequence[Window]], ttl: float) -> bo
 
 
 def _lost_between(first: Run, second: Run, lost: Sequence[Window]) -> bool:
-    return any(s < second.start and first.start < e and first.end > s for s, e in lost)
+    granted = first.start if first.granted is None else first.granted
+    return any(s < second.start and granted < e and first.end > s for s, e in lost)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -299,10 +305,17 @@ def ticks_run_twice(
 
 
 def command_runs(records: Sequence[Record]) -> list[Run]:
-    """Every command's life, from its first line to its last (see the module doc)."""
+    """Every command's life, from its first line to its last (see the module doc), its
+    lease granted at the earliest when its ``asynclock run`` was launched."""
     span: dict[str, list[float]] = {}
+    launched: dict[str, float] = {}
     for record in records:
         if record["e"].startswith("cmd-"):
             times = span.setdefault(record["id"], [record["t"], record["t"]])
             times[0], times[1] = min(times[0], record["t"]), max(times[1], record["t"])
-    return [Run("cron-job", process_of(cid), s, e, cid) for cid, (s, e) in span.items()]
+        elif record["e"] == "exit":
+            launched[record["id"]] = record["launched"]
+    return [
+        Run("cron-job", process_of(cid), s, e, cid, launched.get(cid))
+        for cid, (s, e) in span.items()
+    ]

@@ -1396,14 +1396,23 @@ def test_a_command_lives_from_its_first_line_to_its_last() -> None:
         {"e": "cmd-start", "t": 1.0, "id": "w0.0#1"},
         {"e": "cmd-beat", "t": 1.04, "id": "w0.0#1"},
         {"e": "cmd-beat", "t": 1.08, "id": "w0.0#1"},  # then killed
-        {"e": "exit", "t": 1.2, "id": "w0.0#1", "status": 75},
+        {"e": "exit", "t": 1.2, "id": "w0.0#1", "status": 75, "launched": 0.4},
         {"e": "cmd-start", "t": 2.0, "id": "w1.0#3"},
         {"e": "cmd-end", "t": 2.5, "id": "w1.0#3"},
     ]
-    assert jobcheck.command_runs(records) == [
-        _run("cron-job", "w0.0", 1.0, 1.08, "w0.0#1"),
+    runs = jobcheck.command_runs(records)
+    assert runs == [
+        jobcheck.Run("cron-job", "w0.0", 1.0, 1.08, "w0.0#1", granted=0.4),
         _run("cron-job", "w1.0", 2.0, 2.5, "w1.0#3"),
     ]
+    # A restart while w0.0#1's supervisor held the lease, before its command started
+    # (found by --jobs run --seed 43 --seconds 120): its lease counts from the launch.
+    restart = jobcheck.Hit("restart", 0.8, 0.9, data_loss=True)
+    later = _run("cron-job", "w2.0", 1.05, 1.5)
+    found = jobcheck.overlaps([runs[0], later], [restart], TTL)
+    assert (len(found.after_loss), len(found.unexcused)) == (1, 0)
+    found = jobcheck.overlaps([runs[0], later], [], TTL)
+    assert (len(found.after_loss), len(found.unexcused)) == (0, 1)
 
 
 def test_the_job_modes_schedule_their_own_faults_and_name_themselves() -> None:
