@@ -28,7 +28,8 @@ apart, as is every run of a key after a data loss).
 
 **Every** (``--jobs every``): each tick (the claim's time in ms) runs at most once; a
 second run of a tick after a data loss that may have erased its claim (the window began
-before the second run, and ended after ``period`` before the first) is counted apart.
+before the second run, and ended after the first's claim was sent: its ``granted``; a
+period before the first run when not known) is counted apart.
 """
 
 from __future__ import annotations
@@ -262,8 +263,9 @@ def runs_again(runs: Sequence[Run], hits: Sequence[Hit]) -> Counter[str]:
 
 
 def tick_runs(records: Sequence[Record], until: float) -> list[Run]:
-    """Every tick's run, keyed by its job (whose runs never overlap) and labelled by the
-    job and the tick (ms of the claim): ``tick-job-0@1795821928800``."""
+    """Every tick's run, keyed by its job (whose runs never overlap), labelled by the job
+    and the tick (ms of the claim): ``tick-job-0@1795821928800``, ``granted`` when its
+    claim was sent."""
     ends = {(r["who"], r["job"], r["tick"]): r["t"] for r in records if r["e"] == "tick-end"}
     return [
         Run(
@@ -272,6 +274,7 @@ def tick_runs(records: Sequence[Record], until: float) -> list[Run]:
             r["t"],
             ends.get((r["who"], r["job"], r["tick"]), until),
             f"{r['job']}@{r['tick']}",
+            r.get("claim"),
         )
         for r in records
         if r["e"] == "tick"
@@ -292,7 +295,8 @@ def ticks_run_twice(
         group.sort(key=lambda r: r.start)
         for second in group[1:]:
             first = group[0]
-            if any(s < second.start and e > first.start - period for s, e in lost):
+            claimed = first.start - period if first.granted is None else first.granted
+            if any(s < second.start and e > claimed for s, e in lost):
                 after_loss.append((first, second))
             else:
                 twice.append((first, second))

@@ -95,7 +95,7 @@ a heartbeat every 40 ms and its end (arguments: records file, command id, ``1`` 
 ignore ``SIGTERM``, seconds, ``1`` to fork into the background first: the sabotage)."""
 
 _TOKEN: contextvars.ContextVar[tuple[str, int]] = contextvars.ContextVar("chaos_token")
-_TICK: contextvars.ContextVar[int] = contextvars.ContextVar("chaos_tick")
+_TICK: contextvars.ContextVar[tuple[int, float]] = contextvars.ContextVar("chaos_tick")
 
 
 def _offsets(period: float) -> list[float]:
@@ -155,13 +155,16 @@ def _remember_token(event: asynclock.LeaseEvent) -> None:
 
 
 class _TickSpy(Redis):
-    """A client that keeps, in the calling task, the tick ``every()`` claimed last."""
+    """A client that keeps, in the calling task, the tick ``every()`` claimed last (its
+    ms) and when the claim was sent (``time.monotonic()`` seconds: the claim cannot have
+    existed before)."""
 
     async def set(self, name: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        sent = time.monotonic()
         answer = await super().set(name, value, *args, **kwargs)
         text = name.decode() if isinstance(name, bytes) else str(name)
         if answer and ":tick:" in text:
-            _TICK.set(int(text.rpartition(":")[2]))
+            _TICK.set((int(text.rpartition(":")[2]), sent))
         return answer
 
 
@@ -287,10 +290,14 @@ class _Process:
                 )  # fmt: skip
 
     async def _tick_job(self, job: str, tick: int | None = None) -> None:
-        tick = _TICK.get(-1) if tick is None else tick
+        claimed = time.monotonic()  # (the sabotage's own ticks have no claim)
+        if tick is None:
+            tick, claimed = _TICK.get((-1, claimed))
         self.started()
         try:
-            self.records("tick", job=job, tick=tick, who=self.config.name, clock=time.time())
+            self.records(
+                "tick", job=job, tick=tick, who=self.config.name, clock=time.time(), claim=claimed
+            )
             await asyncio.sleep(self.rng.uniform(*_TICK_JOB))
             self.records("tick-end", job=job, tick=tick, who=self.config.name)
         finally:

@@ -1389,6 +1389,14 @@ def test_a_tick_run_twice_is_caught_unless_its_claim_may_have_been_flushed() -> 
     assert [b.who for _, b in after_loss] == ["w2.0"]
     records = [{"e": "tick", "t": 1.0, "who": "w0.0", "job": "j", "tick": 5}]
     assert jobcheck.tick_runs(records, until=2.0) == [_run("j", "w0.0", 1.0, 2.0, "j@5")]
+    # With the claim's time known, only a loss after it erased it: a flush before the
+    # claim (a second run of the tick woken for late, then) is no excuse.
+    claimed = dataclasses.replace(runs[2], granted=3.95)
+    early = jobcheck.Hit("flush", 3.0, 3.1, data_loss=True)
+    twice, after_loss = jobcheck.ticks_run_twice([claimed, runs[3]], [early], period=3.0)
+    assert (len(twice), len(after_loss)) == (1, 0)
+    twice, after_loss = jobcheck.ticks_run_twice([claimed, runs[3]], [flush], period=3.0)
+    assert (len(twice), len(after_loss)) == (0, 1)
 
 
 def test_a_command_lives_from_its_first_line_to_its_last() -> None:
