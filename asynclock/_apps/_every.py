@@ -29,10 +29,13 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
+from redis.exceptions import RedisError
+
 from .._base._exceptions import LockBusy, LockLost
 from .._base._optional import import_optional
 from .._base._options import MAX_TTL, Client, LeaseOptions, _number, _positive
 from .._lifecycle._context import lease
+from .._redis._valkey import valkey_errors
 
 __all__ = ["every"]
 
@@ -98,6 +101,10 @@ async def every(
         await _run_tick(redis, name, tick, until_next, func, args, lease_ttl, prefix)
 
 
+_UNANSWERED: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+"""What a claim that Redis did not answer raises (a refusal too: ``RedisError``)."""
+
+
 async def _run_tick(
     redis: Client,
     name: str,
@@ -113,7 +120,7 @@ async def _run_tick(
     mark = f"{prefix}{{{name}}}:tick:{round(tick * 1000)}"
     try:
         claimed = await redis.set(mark, "claimed", nx=True, px=_ms(keep))
-    except Exception as exc:  # (Redis unreachable for a moment: the schedule goes on)
+    except _UNANSWERED + valkey_errors() as exc:  # (Redis unreachable a moment: go on)
         log.warning("could not claim the tick of %r at %s, skipped: %r", name, _at(tick), exc)
         return
     if not claimed:
