@@ -18,6 +18,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from ._apps._current import current_lease as current_lease
 from ._apps._every import every as every
 from ._apps._exclusive import exclusive as exclusive
 from ._apps._inspect import LockInfo as LockInfo
@@ -77,6 +78,7 @@ __all__ = [
     "Serializer",
     "acquire",
     "client_from",
+    "current_lease",
     "every",
     "exclusive",
     "forget",

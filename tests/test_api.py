@@ -36,6 +36,7 @@ def test_public_names_are_pinned() -> None:
         "ResultNotStored",
         "Serializer",
         "acquire",
+        "current_lease",
         "client_from",
         "every",
         "exclusive",

@@ -36,6 +36,7 @@ from .._base._optional import import_optional
 from .._base._options import MAX_TTL, Client, LeaseOptions, _number, _positive
 from .._lifecycle._context import lease
 from .._redis._valkey import valkey_errors
+from ._current import running_under
 
 __all__ = ["every"]
 
@@ -127,9 +128,10 @@ async def _run_tick(
         log.debug("the tick of %r at %s runs on another server", name, _at(tick))
         return
     try:
-        async with lease(redis, name, ttl=ttl, blocking=False, prefix=prefix):
+        async with lease(redis, name, ttl=ttl, blocking=False, prefix=prefix) as held:
             try:
-                await func(*args)
+                with running_under(held):
+                    await func(*args)
             except Exception:
                 log.exception("the run of %r for the tick at %s failed", name, _at(tick))
     except LockBusy:

@@ -19,6 +19,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, Unpack, overload
 from .._base._exceptions import LockBusy
 from .._base._options import Client
 from .._lifecycle._context import HoldKeywords, lease
+from ._current import running_under
 from ._template import ClientSource, checked_source, key_maker, resolver
 
 __all__ = ["Busy", "LeaseKeywords", "exclusive"]
@@ -119,9 +120,10 @@ def exclusive(
             context = lease(client_of(args, kwargs), make_key(args, kwargs), **lease_options)
             entered = False
             try:
-                async with context:
+                async with context as held:
                     entered = True
-                    return await func(*args, **kwargs)
+                    with running_under(held):
+                        return await func(*args, **kwargs)
             except LockBusy:
                 if busy == "skip" and not entered:  # (not one the function raised)
                     return None

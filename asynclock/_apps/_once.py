@@ -38,6 +38,7 @@ from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
 from .._lifecycle._lease import Lease
 from .._lifecycle._take import begin
 from .._redis._lane import encoding_of
+from ._current import running_under
 from ._template import (
     ClientSource,
     KeyTemplate,
@@ -211,7 +212,8 @@ async def _run_once(
     held = Lease(tenure)
     try:
         async with held.guard():
-            result = await func(*args)
+            with running_under(held):
+                result = await func(*args)
     except BaseException:
         await held.release()  # (a loss is the error in flight's note, or LockLost)
         raise
