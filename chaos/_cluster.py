@@ -59,9 +59,6 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from asynclock.testing import History, RedisServer, keys_left
 
 from ._nemesis import (
-    _COOLDOWN,
-    _GAP,
-    _WARMUP,
     Fault,
     FaultKind,
     Holders,
@@ -71,6 +68,7 @@ from ._nemesis import (
     Target,
     _bulk_text,
     _draw,
+    make_schedule,
 )
 
 if TYPE_CHECKING:  # (_summary runs this mode's check: no import at run time)
@@ -127,32 +125,18 @@ def _draw_cluster(rng: random.Random, index: int, at: float, kind: FaultKind, tt
 
 
 def make_cluster_schedule(seed: int, seconds: float, ttl: float) -> tuple[Fault, ...]:
-    """The faults of a cluster-mode run of ``seconds`` with leases of ``ttl`` seconds.
-
-    Deterministic in its arguments (``random.Random(seed)``); kinds drawn from a bag of
-    ``CLUSTER_KINDS``; faults in order, apart by 1-2 TTLs, after a warm-up of 2 TTLs and
-    ending 1.5 TTLs before ``seconds``.
+    """The faults of a cluster-mode run of ``seconds`` with leases of ``ttl`` seconds:
+    :func:`make_schedule`'s, drawn from a bag of ``CLUSTER_KINDS``, each keeping the
+    seconds ``_HEAL`` gives its kind and variant past its end.
 
     Raises:
         ValueError: ``seconds`` or ``ttl`` is not a positive finite number.
     """
-    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(ttl) and ttl > 0):
-        raise ValueError(f"seconds and ttl must be positive, got {seconds!r} and {ttl!r}")
-    rng = random.Random(seed)
-    end = seconds - _COOLDOWN * ttl
-    at = _WARMUP * ttl
-    faults: list[Fault] = []
-    bag: list[FaultKind] = []
-    while True:
-        if not bag:
-            bag = list(CLUSTER_KINDS)
-            rng.shuffle(bag)
-        fault = _draw_cluster(rng, len(faults), at, bag.pop(), ttl)
-        healed = fault.end + _HEAL.get(fault.kind, {}).get(fault.variant, 0.0)
-        if healed > end:
-            return tuple(faults)
-        faults.append(fault)
-        at = healed + rng.uniform(*_GAP) * ttl
+    return make_schedule(seed, seconds, ttl, CLUSTER_KINDS, draw=_draw_cluster, reserve=_healing)
+
+
+def _healing(fault: Fault) -> float:
+    return _HEAL.get(fault.kind, {}).get(fault.variant, 0.0)
 
 
 # --------------------------------------------------------------------------------------

@@ -383,15 +383,28 @@ def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float
     return Fault(index, at, kind, variant, duration, amount, pick, scope)
 
 
+Draw = Callable[[random.Random, int, float, FaultKind, float], Fault]
+"""Draws one fault: (the schedule's generator, its index, its start in seconds, its kind,
+the TTL in seconds) -> the fault."""
+
+
 def make_schedule(
-    seed: int, seconds: float, ttl: float, kinds: Sequence[FaultKind] = ORDINARY
+    seed: int,
+    seconds: float,
+    ttl: float,
+    kinds: Sequence[FaultKind] = ORDINARY,
+    *,
+    draw: Draw | None = None,
+    reserve: Callable[[Fault], float] | None = None,
 ) -> tuple[Fault, ...]:
     """The faults of a run of ``seconds`` with leases of ``ttl`` seconds, from ``seed``.
 
     Deterministic: equal arguments give equal schedules (``random.Random(seed)`` and
-    nothing else). ``kinds`` fill the bag (default: the ordinary run's eight). Faults
-    are in order, never overlap, start after a warm-up of 2 TTLs and end at least 1.5
-    TTLs before ``seconds``; a run too short for that gets none.
+    nothing else). ``kinds`` fill the bag (default: the ordinary run's eight), each
+    drawn by ``draw`` (default: the ordinary run's faults). Faults are in order, never
+    overlap (nor the seconds ``reserve`` keeps past a fault's end to carry it out and
+    heal), start after a warm-up of 2 TTLs and end at least 1.5 TTLs before
+    ``seconds``; a run too short for that gets none.
 
     Raises:
         ValueError: ``seconds`` or ``ttl`` is not a positive finite number.
@@ -407,11 +420,12 @@ def make_schedule(
         if not bag:
             bag = list(kinds)
             rng.shuffle(bag)
-        fault = _draw(rng, len(faults), at, bag.pop(), ttl)
-        if fault.end > end:
+        fault = (draw or _draw)(rng, len(faults), at, bag.pop(), ttl)
+        healed = fault.end + (reserve(fault) if reserve else 0.0)
+        if healed > end:
             return tuple(faults)
         faults.append(fault)
-        at = fault.end + rng.uniform(*_GAP) * ttl
+        at = healed + rng.uniform(*_GAP) * ttl
 
 
 def make_failover_schedule(seed: int, seconds: float, ttl: float, count: int) -> tuple[Fault, ...]:
