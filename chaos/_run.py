@@ -62,7 +62,15 @@ from ._nemesis import (
     make_schedule,
 )
 from ._replication import Replication
-from ._summary import RoundReport, RunRecord, Summary, WorkerOutcome, of_limit, summarize
+from ._summary import (
+    RoundReport,
+    RunRecord,
+    Summary,
+    WorkerOutcome,
+    mode_text,
+    of_limit,
+    summarize,
+)
 from ._worker import WorkerConfig, counter_key, holder_name, slot_name
 
 __all__ = ["ChaosConfig", "run_chaos"]
@@ -703,19 +711,7 @@ def run(config: ChaosConfig, *, as_json: bool = False, out: TextIO | None = None
     """
     out = sys.stdout if out is None else out
     schedule = config.schedule()
-    mode = f", failover mode with min_replicas {config.min_replicas}" if config.failover else ""
-    if config.shared:
-        mode = f", shared mode ({config.shared:.0%} of rounds shared)"
-    elif config.fair:
-        mode = ", fair mode"
-    elif config.redlock:
-        mode = f", Redlock mode over {config.redlock} servers"
-    elif config.jobs:
-        mode = ", jobs mode (once())"
-    elif config.cluster:
-        mode = f", cluster mode (3 primaries + replicas, min_replicas {config.min_replicas})"
-    elif config.jobs_mode:
-        mode = f", jobs mode ({config.jobs_mode})"
+    mode = mode_text(config, config.jobs_mode)
     print(
         f"asynclock chaos: seed {config.seed}, {config.workers} workers x {config.tasks} "
         f"tasks, {config.locks} locks{of_limit(config.limit)}, ttl {config.ttl:g} s, "

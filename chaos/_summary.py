@@ -57,7 +57,7 @@ import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from asynclock.testing import (
     Attempt,
@@ -202,6 +202,43 @@ class WorkerOutcome:
     died: str | None
     stats: Mapping[str, Any]
     stderr_tail: tuple[str, ...] = ()
+
+
+class _Mode(Protocol):
+    """What :func:`mode_text` reads: a ``RunRecord`` or a ``ChaosConfig``."""
+
+    @property
+    def failover(self) -> bool: ...
+    @property
+    def min_replicas(self) -> int: ...
+    @property
+    def shared(self) -> float: ...
+    @property
+    def fair(self) -> bool: ...
+    @property
+    def redlock(self) -> int: ...
+    @property
+    def jobs(self) -> bool: ...
+    @property
+    def cluster(self) -> bool: ...
+
+
+def mode_text(run: _Mode, jobs_mode: str = "") -> str:
+    """The run's mode, as its headers say it (", shared mode (...)"; "" for the
+    ordinary run): the schedule's and the summary's."""
+    if run.failover:
+        return f", failover mode (primary + replica, min_replicas {run.min_replicas})"
+    if run.shared:
+        return f", shared mode ({run.shared:.0%} of rounds shared)"
+    if run.fair:
+        return ", fair mode"
+    if run.redlock:
+        return f", Redlock mode over {run.redlock} servers"
+    if run.jobs:
+        return ", jobs mode (once())"
+    if run.cluster:
+        return f", cluster mode (3 primaries + replicas, min_replicas {run.min_replicas})"
+    return f", jobs mode ({jobs_mode})" if jobs_mode else ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -980,19 +1017,7 @@ def _render(
     counter_text = "; ".join(
         f"{lock} {c['value']} = {c['accepted_increments']}" for lock, c in counters.items()
     )
-    mode = ""
-    if record.failover:
-        mode = f", failover mode (primary + replica, min_replicas {record.min_replicas})"
-    elif record.shared:
-        mode = f", shared mode ({record.shared:.0%} of rounds shared)"
-    elif record.fair:
-        mode = ", fair mode"
-    elif record.redlock:
-        mode = f", Redlock mode over {record.redlock} servers"
-    elif record.jobs:
-        mode = ", jobs mode (once())"
-    elif record.cluster:
-        mode = f", cluster mode (3 primaries + replicas, min_replicas {record.min_replicas})"
+    mode = mode_text(record)
     lines = [
         f"asynclock chaos: seed {record.seed}, {record.workers} workers x {record.tasks} tasks, "
         f"{data['locks']} locks{of_limit(record.limit)}, ttl {record.ttl:g} s, "
