@@ -140,6 +140,8 @@ class Mutex(Kind):
                 on_success = "keep"
             elif room.registered(channel):
                 on_success = "drop"
+            elif waiter is not None:  # (a token in our line may have been offered)
+                on_success = "withdraw"
         args: list[Arg] = [
             token,
             options.ttl_ms,
