@@ -95,7 +95,7 @@ def _fenced(client: Redis, prefix: str) -> Cycle:
 def _lease(name: str, **options: object) -> Callable[[Redis, str], Cycle]:
     def make(client: Redis, prefix: str) -> Cycle:
         async def cycle() -> None:
-            async with asynclock.lease(client, name, prefix=prefix, **options):  # type: ignore[arg-type]
+            async with asynclock.lease(client, name, prefix=prefix, **options):  # type: ignore[call-overload]
                 pass
 
         return cycle
