@@ -248,9 +248,10 @@ async def run_idempotent(
 # source (text, not Lua functions: a function is a closure made at every run). A
 # script's header (its KEYS, ARGV and replies) is the comment above its definition.
 
-# `t` the server's TIME reply, `now` the server's time in ms.
-_NOW = """local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+# `t` the server's TIME reply, `now` the server's time in ms (_NOW_MS: from `t`).
+_NOW_MS = "tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"
+_NOW = f"""local t = redis.call('TIME')
+local now = {_NOW_MS}
 """
 
 # The next fencing token into `fence` (`text`: it as a decimal string), declared by the
@@ -896,30 +897,36 @@ return deleted
 # in the sorted set '<lock key>:readers' (token -> server time in ms until which it
 # lives). The last one out deletes the marker and announces the release.
 
-# Drop the reader `token` from KEYS[3], and expired readers with it; the last one out
-# deletes the marker KEYS[2] and announces it on ARGV[2] (ARGV[3]). The clock is read
-# only when other readers are left; the set is gone when empty (Redis deletes it).
-_SHARED_DROP = """redis.call('ZREM', KEYS[3], token)
-local longest = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')  -- (the last to expire)
-local last_out = not longest[1]
-if not last_out then
-"""
-_SHARED_DROP += (
-    _NOW
-    + """  if tonumber(longest[2]) <= now then  -- every reader left has expired
-    redis.call('DEL', KEYS[3])
-    last_out = true
-  else
-    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+# Drop the reader `token` from KEYS[3]; the last one out (no other reader, or only expired
+# ones) deletes the set with the marker KEYS[2] and announces it on ARGV[2] (ARGV[3]),
+# else `token` and expired readers leave the set. Whether others are left is read from
+# the two members that expire last, before removing ours: the last one out (the
+# uncontended release) removes nothing member by member. The clock is read only when
+# another reader is in the set.
+_SHARED_DROP = f"""local top = redis.call('ZRANGE', KEYS[3], -2, -1, 'WITHSCORES')
+local other = nil  -- (when the longest other reader expires)
+for i = #top - 1, 1, -2 do
+  if top[i] ~= token then
+    other = tonumber(top[i + 1])
+    break
   end
 end
-if last_out and redis.call('GET', KEYS[2]) == 'shared' then
-  redis.call('DEL', KEYS[2])
+local now = nil
+if other then
+  local t = redis.call('TIME')
+  now = {_NOW_MS}
+end
+if now and other > now then
+  redis.call('ZREM', KEYS[3], token)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+elseif redis.call('GET', KEYS[2]) == 'shared' then
+  redis.call('DEL', KEYS[2], KEYS[3])
   redis.call('PUBLISH', ARGV[2], ARGV[3])
+else
+  redis.call('DEL', KEYS[3])
 end
 return 1
 """
-)
 
 # SHARED_ACQUIRE: KEYS[1] the lock's key, KEYS[2] fence counter, KEYS[3] this attempt's
 # tombstone, KEYS[4] the lock's waiting hash (exclusive waiters, see ACQUIRE), KEYS[5] the
