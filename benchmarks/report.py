@@ -521,7 +521,8 @@ def markdown(results: Results, chart: str | None, chart_note: str = "") -> str:
         )
 
     if results.server_us:
-        lines += ["", "## Server time per cycle", "", *server_section(results.server_us)]
+        section = server_section(results.server_us, results.server_commands)
+        lines += ["", "## Server time per cycle", "", *section]
 
     lines += ["", "## All figures", ""]
     for scenario in results.scenarios:

@@ -282,6 +282,12 @@ end
 _FENCE_OF = "tonumber(string.match(current, '^[^:]*:(%d+)'))"
 
 
+def _held(token: str = "ARGV[1]") -> str:
+    """Lua: whether the value ``current`` is a lease's of ``token`` (the owner check by
+    the ``<token>:`` prefix: a token is 32 hex digits, no other holder's value matches)."""
+    return f"(current and string.sub(current, 1, #{token} + 1) == {token} .. ':')"
+
+
 def _register(origin: str, life: str) -> str:
     """Lua: ``register(since, now, offer)``, which writes the entry of the client
     ``origin`` in the waiting hash KEYS[4] (see HANDOFF): waiting since ``since``, until
@@ -323,7 +329,6 @@ if found[1] then
 end
 --[[job-prologue]]
 local current = found[2]
-local mine = ARGV[1] .. ':'
 local suffix = ''
 --[[job-current]]
 local fence, text
@@ -331,8 +336,8 @@ if not current then
   local t = redis.call('TIME')
 """
     + _MINT_AND_STORE_FENCE
-    + f"""redis.call('SET', KEYS[1], mine .. text .. suffix, 'PX', ARGV[2])
-elseif string.sub(current, 1, #mine) == mine then
+    + f"""redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text .. suffix, 'PX', ARGV[2])
+elseif {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   fence = {_FENCE_OF}
 elseif ARGV[4] == '' then
@@ -522,7 +527,7 @@ return 0
 HANDOFF = Script(
     "handoff",
     f"""local current = redis.call('GET', KEYS[1])
-if current and string.sub(current, 1, #ARGV[2] + 1) == ARGV[2] .. ':' then
+if {_held("ARGV[2]")} then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {{3, {_FENCE_OF}}}
 end
@@ -610,14 +615,14 @@ return {1, fence}
 # attempt arriving later would then be refused by the same limit.
 ABANDON = Script(
     "abandon",
-    """local entry = redis.call('HGET', KEYS[3], ARGV[4])
+    f"""local entry = redis.call('HGET', KEYS[3], ARGV[4])
 if entry and string.find(entry, ':' .. ARGV[1] .. ':', 1, true) then
   redis.call('HDEL', KEYS[3], ARGV[4])  -- (first: a write that maxmemory never refuses)
   redis.pcall('HSET', KEYS[3], ARGV[4], string.match(entry, '^%d+:%d+'))
 end
 local current = redis.call('GET', KEYS[1])
 local deleted = 0
-if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+if {_held()} then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[3], ARGV[4])
   deleted = 1
@@ -673,7 +678,6 @@ end
     + _NOW
     + f"""local ttl = tonumber(ARGV[2])
 local stem = KEYS[4] .. ':permit:'
-local mine = ARGV[1] .. ':'
 local function index(slot, score)  -- (the index's expiry is never shortened)
   if redis.call('ZADD', KEYS[5], score, slot) == 1 and slot == '0' then
     redis.call('PEXPIRE', KEYS[5], score - now)  -- (new: slot 0 is the first taken)
@@ -684,7 +688,7 @@ end
 if attempt then  -- a retry of ours: the permit it took, if still ours
   local slot = string.sub(attempt, 2)
   local current = redis.call('GET', stem .. slot)
-  if current and string.sub(current, 1, #mine) == mine then
+  if {_held()} then
     redis.call('PEXPIRE', stem .. slot, ttl)
     redis.call('PEXPIRE', KEYS[3], ttl)
     index(slot, now + ttl)
@@ -707,7 +711,7 @@ for _ = 0, limit do
   end
 """
     + _MINT_AND_STORE_FENCE
-    + """if redis.call('SET', stem .. slot, mine .. text, 'PX', ttl, 'NX') then
+    + """if redis.call('SET', stem .. slot, ARGV[1] .. ':' .. text, 'PX', ttl, 'NX') then
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
     redis.call('SET', KEYS[3], 'p' .. slot, 'PX', ttl)
     index(slot, now + ttl)
@@ -727,7 +731,7 @@ return {0, ttl}
 # ARGV[4] the client's origin id. Returns how many permits it gave back (0 or 1).
 SEMAPHORE_ABANDON = Script(
     "semaphore_abandon",
-    """local attempt = redis.call('GET', KEYS[1])
+    f"""local attempt = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
 if not attempt or attempt == '1' then
   return 0
@@ -735,7 +739,7 @@ end
 local slot = string.sub(attempt, 2)
 local key = KEYS[3] .. ':permit:' .. slot
 local current = redis.call('GET', key)
-if not (current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':') then
+if not {_held()} then
   return 0
 end
 redis.call('DEL', key)
@@ -818,9 +822,8 @@ FAIR_ACQUIRE = Script(
 if found[1] then
   return {{-1, 0}}
 end
-local mine = ARGV[1] .. ':'
 local current = found[2]
-if current and string.sub(current, 1, #mine) == mine then
+if {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {{1, {_FENCE_OF}}}
 end
@@ -848,7 +851,7 @@ if not current and (head == nil or head == ARGV[1]) then
   local fence, text
 """
     + _MINT_AND_STORE_FENCE
-    + """redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+    + """redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text, 'PX', ARGV[2])
   return {1, fence}
 end
 if ARGV[5] == 'wait' then
@@ -875,12 +878,12 @@ return {0, redis.call('PTTL', KEYS[1])}
 # ARGV[4] the client's origin id. Returns 1 if it deleted the lock's key.
 FAIR_LEAVE = Script(
     "fair_leave",
-    """redis.call('ZREM', KEYS[3], ARGV[1])
+    f"""redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 local current = redis.call('GET', KEYS[1])
 local deleted = 0
-if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+if {_held()} then
   redis.call('DEL', KEYS[1])
   deleted = 1
 end
@@ -944,13 +947,12 @@ SHARED_ACQUIRE = Script(
 if found[1] then
   return {-1, 0}
 end
-local mine = ARGV[1] .. ':'
 """
     + _NOW
     + f"""local ttl = tonumber(ARGV[2])
 local current = found[2]
 local fence, text
-if current and string.sub(current, 1, #mine) == mine then
+if {_held()} then
   fence = {_FENCE_OF}
   redis.call('PEXPIRE', KEYS[6], ttl)
 else
@@ -969,7 +971,7 @@ else
   end
 """
     + _MINT_AND_STORE_FENCE
-    + """redis.call('SET', KEYS[6], mine .. text, 'PX', ttl)
+    + """redis.call('SET', KEYS[6], ARGV[1] .. ':' .. text, 'PX', ttl)
 end
 redis.call('ZADD', KEYS[5], now + ttl, ARGV[1])
 if redis.call('SET', KEYS[1], 'shared', 'PX', ttl, 'NX') then
@@ -1035,10 +1037,10 @@ local token = string.match(ARGV[1], '^([^:]*):')
 # origin id, ARGV[4] tombstone ttl (ms). Returns 1 if it gave a shared hold back.
 SHARED_ABANDON = Script(
     "shared_abandon",
-    """redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
+    f"""redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
 local current = redis.call('GET', KEYS[1])
 local token = ARGV[1]
-if not (current and string.sub(current, 1, #token + 1) == token .. ':') then
+if not {_held()} then
   return 0
 end
 redis.call('DEL', KEYS[1])
