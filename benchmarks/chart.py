@@ -27,7 +27,12 @@ __all__ = ["plot"]
 SELF = "asynclock"
 SELF_COLOR = "#d62728"
 #: asynclock's forms, each highlighted: `async with` in red, `acquire()` in orange.
-SELF_COLORS = {SELF: SELF_COLOR, "asynclock-acquire": "#ff7f0e"}
+SELF_COLORS = {
+    SELF: SELF_COLOR,
+    "asynclock-acquire": "#ff7f0e",
+    "asynclock-semaphore": "#e377c2",
+    "asynclock-shared": "#bcbd22",
+}
 PEER_COLOR = "#7f93b2"
 SECOND_ALPHA = 0.45
 

@@ -158,11 +158,11 @@ async def contend_async(
     mono = time.monotonic
 
     async def contender(ident: int) -> None:
-        lock = session.lock
+        lock = session.lock_as
         for _ in range(max_ops):
             if mono() >= end_at:
                 return
-            async with lock(name):
+            async with lock(name, ident):
                 t_in = mono()
                 t_release = mono()
             holds.append(Hold(t_in, t_release, ident))

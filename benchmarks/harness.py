@@ -30,6 +30,7 @@ from .config import FULL, QUICK, Profile
 from .peers import ALL_PEERS, CYCLE, HOLD, AsyncPeer, Peer, ThreadPeer
 from .results import PeerEntry, Record, Results
 from .scenarios import SCENARIOS, Context, Measurement, Scenario
+from .server import count_commands
 from .server import measure as server_time
 from .system import (
     LogCollector,
@@ -270,6 +271,7 @@ def run(
             blocks, per_block = (4, 200) if profile.name == "quick" else (10, 500)
             print("server time per cycle of every kind ...")
             results.server_us = asyncio.run(server_time(server.url, blocks, per_block))
+            results.server_commands = asyncio.run(count_commands(server.url))
         probe.close()
         results.environment["load"] = load_note(ticks)
         results.interrupted = _Stop.requested

@@ -14,6 +14,8 @@ __all__ = ["TARGETS", "Target", "write_report"]
 
 SELF = "asynclock"
 ACQUIRE = "asynclock-acquire"  # asynclock's detached form, measured where it differs
+KINDS = (("asynclock-semaphore", "semaphore"), ("asynclock-shared", "shared lease"))
+"""asynclock's other kinds in the hand-over scenarios (``peers/asynclock_kinds_peer.py``)."""
 
 #: The two forms of asynclock, one sentence each (above the targets table).
 FORMS = (
@@ -172,6 +174,35 @@ TARGETS: tuple[Target, ...] = (
         math.nan,
         "report (the targets above count every handoff)",
         context="python-redis-lock",
+    ),
+    *(
+        Target(
+            "handoff-1p",
+            f"{form} hand-overs/s",
+            "handoffs_per_s",
+            rate,
+            "report",
+            math.nan,
+            "report (beside python-redis-lock's mutex)",
+            "python-redis-lock",
+            peer=peer,
+        )
+        for peer, form in KINDS
+    ),
+    *(
+        Target(
+            "handoff-np",
+            f"{form}, release → next holder, {what}",
+            metric,
+            us,
+            "report",
+            math.nan,
+            "report (beside python-redis-lock's mutex)",
+            context="python-redis-lock",
+            peer=peer,
+        )
+        for peer, form in KINDS
+        for metric, what in (("latency_p50_us", "p50"), ("cross_p50_us", "cross-process p50"))
     ),
     Target("handoff-1p", "releaser retakes", "retake", pct, "<=", 0.10, "≤ 10%", context="redispy"),
     Target("handoff-1p", "Jain index", "jain", three, ">=", 0.99, "≥ 0.99", context="redispy"),
@@ -460,6 +491,8 @@ def markdown(results: Results, chart: str | None, chart_note: str = "") -> str:
     for target in TARGETS:
         if target.scenario not in results.scenarios:
             continue
+        if target.peer in dict(KINDS) and target.peer not in results.measured(target.scenario):
+            continue  # (a run without asynclock's other kinds)
         mine = _value(results, target.scenario, target.peer, target.metric, target.worst)
         shown = target.fmt(mine)
         if target.aside is not None:
@@ -488,7 +521,8 @@ def markdown(results: Results, chart: str | None, chart_note: str = "") -> str:
         )
 
     if results.server_us:
-        lines += ["", "## Server time per cycle", "", *server_section(results.server_us)]
+        section = server_section(results.server_us, results.server_commands)
+        lines += ["", "## Server time per cycle", "", *section]
 
     lines += ["", "## All figures", ""]
     for scenario in results.scenarios:

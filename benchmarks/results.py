@@ -53,6 +53,9 @@ class Results:
     server_us: dict[str, float] = field(default_factory=dict)
     """Server µs per uncontended cycle of each kind of lock and recipe (``server.py``),
     measured on the run's server after the scenarios (empty in older results)."""
+    server_commands: dict[str, float] = field(default_factory=dict)
+    """Commands the server runs per uncontended cycle of each of them (``server.py``;
+    empty in older results)."""
 
     # -- persistence ----------------------------------------------------------------------
 

@@ -9,6 +9,10 @@ call; never those called inside a script, which ``commandstats`` counts as well)
 snapshot before and after each block of cycles, the blocks of the kinds taking turns
 (in an order reversed every other block) so that drift of the machine falls on all.
 
+Beside the µs, :func:`count_commands` counts the commands each cycle runs (those the kind
+sends and those its scripts call, the scripts themselves not counted): a command called
+from Lua costs about a µs beyond its own work, so the count is most of the figure.
+
 The recipes: ``SET NX PX`` + an ``EVALSHA`` owner-checked ``DEL`` (no fencing token, no
 wake-up: the floor), and a minimal fenced lock with a wake-up check (``SET NX PX`` +
 ``INCR`` + ``PEXPIRE`` of the counter; an ``EVALSHA`` release that ``GET``s, ``DEL``s,
@@ -30,7 +34,7 @@ from redis.asyncio import Redis
 import asynclock
 from asynclock.testing import RedisServer
 
-__all__ = ["KINDS", "Kind", "measure", "render", "server_section"]
+__all__ = ["KINDS", "Kind", "count_commands", "measure", "render", "server_section"]
 
 _DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -95,7 +99,7 @@ def _fenced(client: Redis, prefix: str) -> Cycle:
 def _lease(name: str, **options: object) -> Callable[[Redis, str], Cycle]:
     def make(client: Redis, prefix: str) -> Cycle:
         async def cycle() -> None:
-            async with asynclock.lease(client, name, prefix=prefix, **options):  # type: ignore[arg-type]
+            async with asynclock.lease(client, name, prefix=prefix, **options):  # type: ignore[call-overload]
                 pass
 
         return cycle
@@ -164,22 +168,61 @@ async def measure(
     return {label: statistics.median(values) for label, values in figures.items()}
 
 
-def render(figures: dict[str, float]) -> list[str]:
-    """The table of ``figures`` (from :func:`measure`), each against the first kind."""
+async def count_commands(
+    url: str, cycles: int = 200, kinds: Sequence[Kind] = KINDS
+) -> dict[str, float]:
+    """Commands the server runs per uncontended cycle of each kind (by label): those the
+    kind sends and those its scripts call, the scripts themselves not counted (``INFO
+    commandstats`` calls, over ``cycles`` cycles after a warm-up)."""
+    client, probe = Redis.from_url(url), Redis.from_url(url)
+    prefix = f"count:{uuid.uuid4().hex[:6]}:"
+    counts: dict[str, float] = {}
+    try:
+        for kind in kinds:
+            cycle = kind.make(client, prefix)
+            for _ in range(20):
+                await cycle()
+            before = await _calls(probe)
+            for _ in range(cycles):
+                await cycle()
+            after = await _calls(probe)
+            counts[kind.label] = (after - before) / cycles
+    finally:
+        await client.aclose()
+        await probe.aclose()
+    return counts
+
+
+async def _calls(client: Redis) -> int:
+    """Calls of every command so far, but scripts and ``INFO`` (``INFO commandstats``)."""
+    stats = await client.info("commandstats")
+    left_out = {f"cmdstat_{name}" for name in (*_SCRIPTS, "info")}
+    return sum(int(v.get("calls", 0)) for k, v in stats.items() if k not in left_out)
+
+
+def render(figures: dict[str, float], commands: dict[str, float] | None = None) -> list[str]:
+    """The table of ``figures`` (from :func:`measure`), each against the first kind, with
+    the commands per cycle (from :func:`count_commands`) if given."""
     labels = list(figures)
     base, mutex = figures[labels[0]], figures.get("asynclock mutex")
+    counted = commands is not None and bool(commands)
     lines = [
-        "| cycle | server µs per cycle | ÷ the recipe | ÷ the mutex |",
-        "|---|---|---|---|",
+        "| cycle | server µs per cycle | ÷ the recipe | ÷ the mutex |"
+        + (" commands per cycle |" if counted else ""),
+        "|---|---|---|---|" + ("---|" if counted else ""),
     ]
     for label, us in figures.items():
         against = f"{us / mutex:.2f}x" if mutex else "-"
-        lines.append(f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |")
+        count = f" {commands[label]:.0f} |" if commands and label in commands else ""
+        lines.append(f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |" + count)
     return lines
 
 
-def server_section(figures: dict[str, float]) -> list[str]:
-    """The section of a report on ``figures``: how they were measured, and the table."""
+def server_section(
+    figures: dict[str, float], commands: dict[str, float] | None = None
+) -> list[str]:
+    """The section of a report on ``figures`` (and ``commands``, see :func:`render`):
+    how they were measured, and the table."""
     return [
         "Server µs of Redis's main thread per uncontended acquire + release, from `INFO "
         "commandstats` (the commands each kind sends itself; a script's time includes the "
@@ -187,9 +230,13 @@ def server_section(figures: dict[str, float]) -> list[str]:
         "(`benchmarks/server.py`; `python -m benchmarks.server` alone). The recipes are "
         "the floor: `SET NX PX` + an `EVALSHA` owner-checked `DEL`, and a fenced lock "
         "with a wake-up check (`SET NX PX` + `INCR` + `PEXPIRE`; release `GET`, `DEL`, "
-        "`EXISTS`, `PUBLISH`). Read the ratios: the µs move with the machine.",
+        "`EXISTS`, `PUBLISH`). Read the ratios: the µs move with the machine. *Commands "
+        "per cycle*: those the kind sends and those its scripts call (the scripts not "
+        "counted); a command called from a script costs about a µs beyond its own work "
+        "(what each script runs, and what each saved µs cost: "
+        "[history.md](history.md#server-time-per-cycle)).",
         "",
-        *render(figures),
+        *render(figures, commands),
         "",
     ]
 
@@ -206,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     blocks, per_block = (4, 200) if args.quick else (10, 500)
     if args.url:
         figures = asyncio.run(measure(args.url, blocks, per_block))
+        commands = asyncio.run(count_commands(args.url))
     else:
         with RedisServer() as server:
             figures = asyncio.run(measure(server.url, blocks, per_block))
-    print("\n".join(render(figures)))
+            commands = asyncio.run(count_commands(server.url))
+    print("\n".join(render(figures, commands)))
     return 0
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "Request",
     "Turn",
     "acquire",
+    "answer",
     "until_expiry",
 ]
 
@@ -90,6 +91,20 @@ class Refused:
     kind, a job's stored result or another fingerprint). Nothing of ours was left."""
 
     error: Exception
+
+
+def answer(
+    status: int, value: int, t_send: float, *, slot: int = -1, pending: bool = False
+) -> Granted | Busy:
+    """The replies every acquire script shares: (1, fencing token) the lock taken with
+    the attempt sent at ``t_send`` (``slot``: a permit's), (0, the holder's time left in
+    ms) busy (``pending``: see ``Busy``). Any other status left here is (-1, 0), the
+    answer to an abandoned attempt (its tombstone), which the engine never reads: a bug."""
+    if status == 1:
+        return Granted(value, t_send, slot)
+    if status == 0:
+        return Busy(value, pending)
+    raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
 
 
 @dataclass(slots=True)

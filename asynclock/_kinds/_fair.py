@@ -24,7 +24,7 @@ import random
 from typing import Final, cast
 
 from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, Arg
-from ._engine import Busy, Granted, Kind, Refused, Request, Turn
+from ._engine import Busy, Granted, Kind, Refused, Request, Turn, answer
 from ._hold import Hold, of_lock
 
 __all__ = ["FAIR_PATIENCE", "Fair"]
@@ -66,11 +66,7 @@ class Fair(Kind):
         """(1, fence): the lock; (0, the holder's pttl in ms; 0 when the lock is free but
         another waiter's turn), a waiting attempt's place in the queue kept."""
         status, value = (int(x) for x in cast(list[int], reply))
-        if status == 1:
-            return Granted(value, t_send)
-        if status == 0:
-            return Busy(value, pending=waiting)
-        raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        return answer(status, value, t_send, pending=waiting)
 
     def pause(self, busy: Busy) -> float:
         """At least every FAIR_PATIENCE / 2, so that our place in the queue stays alive."""

@@ -38,7 +38,7 @@ from .._redis._lane import exchange
 from .._redis._scripts import ABANDON, ACQUIRE, ACQUIRE_JOB, HANDOFF, Arg
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
-from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn
+from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer
 from ._hold import Hold, of_lock
 
 __all__ = [
@@ -140,6 +140,8 @@ class Mutex(Kind):
                 on_success = "keep"
             elif room.registered(channel):
                 on_success = "drop"
+            elif waiter is not None:  # (a token in our line may have been offered)
+                on_success = "withdraw"
         args: list[Arg] = [
             token,
             options.ttl_ms,
@@ -177,17 +179,13 @@ class Mutex(Kind):
         result), (3, another fingerprint), (4, why its result was not stored)."""
         raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
         status = int(raw_status)
-        if status == 1:
-            return Granted(int(raw_value), t_send)
-        if status == 0:
-            return Busy(int(raw_value))
         if status == 2:
             return Refused(JobDone(raw_value))
         if status == 3:
             return Refused(JobConflict(raw_value))
         if status == 4:
             return Refused(JobUnstored(raw_value))
-        raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        return answer(status, int(raw_value), t_send)
 
     def answered(self, outcome: Granted | Busy, waiting: bool) -> None:
         if waiting:

@@ -32,7 +32,7 @@ from typing import cast
 from .._base._exceptions import LimitConflict
 from .._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE
 from .._session._wakeup import WaitingRoom
-from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, until_expiry
+from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer, until_expiry
 from ._hold import Hold, of_permit
 
 __all__ = ["Permits"]
@@ -72,17 +72,13 @@ class Permits(Kind):
         status, value, *rest = cast(list[int | bytes], reply)
         status = int(status)
         options = self._options
-        if status == 1:
-            return Granted(int(value), t_send, int(rest[0]))
-        if status == 0:
-            return Busy(int(value))
         if status == -2:
             theirs = value.decode() if isinstance(value, bytes) else str(value)
             why = f"held with limit={theirs}, not {options.limit}"
             return Refused(LimitConflict(options.name, why))
         if status == -3:
             return Refused(LimitConflict(options.name, "held as a plain lock (limit=1)"))
-        raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        return answer(status, int(value), t_send, slot=int(rest[0]) if rest else -1)
 
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)

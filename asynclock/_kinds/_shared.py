@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import cast
 
 from .._redis._scripts import SHARED_ABANDON, SHARED_ACQUIRE
-from ._engine import Busy, Granted, Kind, Refused, Request, Turn, until_expiry
+from ._engine import Busy, Granted, Kind, Refused, Request, Turn, answer, until_expiry
 from ._hold import Hold, of_reader
 
 __all__ = ["Shared"]
@@ -50,11 +50,7 @@ class Shared(Kind):
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """(1, fence): a shared hold; (0, ms to wait at most before trying again)."""
         status, value = (int(x) for x in cast(list[int], reply))
-        if status == 1:
-            return Granted(value, t_send)
-        if status == 0:
-            return Busy(value)
-        raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
+        return answer(status, value, t_send)
 
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)

@@ -25,6 +25,15 @@ answer with the same token it minted the first time. Every owner check compares 
 
 Scripts run with EVALSHA and fall back to EVAL on NOSCRIPT: a restarted or failed-over
 server has an empty script cache, which is not a lost lease.
+
+Each script's header (its KEYS, ARGV and replies) is the comment above its definition;
+rules that several scripts follow (the server's time, minting a fencing token, the
+fencing token in a lease's value, a registration as waiting, a permit's expiry, a
+reader's way out) are Lua fragments written once and spliced into their sources. The
+scripts are kept to the commands an uncontended cycle needs (server µs per cycle:
+``benchmarks/server.py``): a mutex cycle runs 7 commands in its 2 scripts (MGET, TIME,
+SET ... GET, SET; GET, DEL, PUBLISH), and an uncontended ACQUIRE returns before the
+code of its registration as waiting runs.
 """
 
 from __future__ import annotations
@@ -234,24 +243,33 @@ async def run_idempotent(
         return await script(fallback(), keys, args)
 
 
-_MINT_FENCE = """
--- (shared) the next fencing token: max(last + 1, server TIME in microseconds), from the
--- TIME reply `t` and the counter at KEYS[2]; `text` is it as a decimal string
-local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+# -- Lua fragments ------------------------------------------------------------------------
+# Each rule that several scripts follow is written once here and spliced into their
+# source (text, not Lua functions: a function is a closure made at every run). A
+# script's header (its KEYS, ARGV and replies) is the comment above its definition.
+
+# `t` the server's TIME reply, `now` the server's time in ms (_NOW_MS: from `t`).
+_NOW_MS = "tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"
+_NOW = f"""local t = redis.call('TIME')
+local now = {_NOW_MS}
+"""
+
+# The next fencing token into `fence` (`text`: it as a decimal string), declared by the
+# script: max(last + 1, server TIME in microseconds), from the TIME reply `t` and the
+# counter at KEYS[2], which this one only reads.
+_MINT_FENCE = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = tonumber(redis.call('GET', KEYS[2]))
 if last and last >= fence then
   fence = last + 1
 end
-local text = string.format('%d', fence)
+text = string.format('%d', fence)
 """
 
-_MINT_AND_STORE_FENCE = """
--- (shared) the next fencing token, written to the counter at KEYS[2] (PX ARGV[3]) in the
--- same command that reads the last one (SET ... GET): max(last + 1, server TIME in
--- microseconds), from the TIME reply `t`; `text` is it as a decimal string. (The counter
--- is written again in the rare case that the clock gave no more than the last token.)
-local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local text = string.format('%d', fence)
+# The same, written to the counter at KEYS[2] (PX ARGV[3]) by the command that reads the
+# last one (SET ... GET); written again in the rare case that the clock gave no more than
+# the last token.
+_MINT_AND_STORE_FENCE = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+text = string.format('%d', fence)
 local last = tonumber(redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET'))
 if last and last >= fence then
   fence = last + 1
@@ -260,93 +278,109 @@ if last and last >= fence then
 end
 """
 
+# The fencing token in a lease's value `current` ("<token>:<fencing token>[:...]").
+_FENCE_OF = "tonumber(string.match(current, '^[^:]*:(%d+)'))"
+
+
+def _held(token: str = "ARGV[1]") -> str:
+    """Lua: whether the value ``current`` is a lease's of ``token`` (the owner check by
+    the ``<token>:`` prefix: a token is 32 hex digits, no other holder's value matches)."""
+    return f"(current and string.sub(current, 1, #{token} + 1) == {token} .. ':')"
+
+
+def _register(origin: str, life: str) -> str:
+    """Lua: ``register(since, now, offer)``, which writes the entry of the client
+    ``origin`` in the waiting hash KEYS[4] (see HANDOFF): waiting since ``since``, until
+    ``now`` + ``life`` ms, followed by ``offer`` ('' or ':<token>:<loop time>:<ttl
+    ms>:<at ms>'); the hash's expiry is only ever extended. Under maxmemory its writes
+    are skipped (pcall), not fatal."""
+    return f"""local function register(since, now, offer)
+  redis.pcall('HSET', KEYS[4], {origin}, string.format('%d:%d', since, now + {life}) .. offer)
+  if redis.call('PTTL', KEYS[4]) < tonumber({life}) then
+    redis.pcall('PEXPIRE', KEYS[4], {life})
+  end
+end
+"""
+
+
+# -- the plain lock (mutex) ---------------------------------------------------------------
+# ACQUIRE: KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
+# KEYS[4] the lock's waiting hash (see HANDOFF)
+# ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] origin id
+# of a blocking wait ('' when not waiting): a failed attempt registers it as waiting
+# (since when: kept from a live registration, else now), ARGV[5] for how long (ms),
+# ARGV[6] what a success does to the registration: 'keep' (more waiters of ours are in
+# line: they wait from now on), 'drop' (none: unregister), 'withdraw' (an attempt of a
+# waiter in our line: withdraw an offer of its token, if any) or '' (nothing: the token
+# was never offered), ARGV[7] the sender's loop time at sending, when the attempt is made
+# by the head of its client's line, listening for grants ('' otherwise): a failed attempt
+# then also registers ARGV[1], ARGV[2] and ARGV[7], so that another client's releaser may
+# grant the lock to this token (HANDOFF); the sender counts a granted lease from ARGV[7],
+# which precedes the grant. Otherwise an offer of another token of ours (the head's) stays.
+# Returns {1, fencing token} when held by this token (new, or a retry of ours),
+#         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
+#         {-1, 0} when this attempt was abandoned (its tombstone exists).
+# An uncontended success (ARGV[6] '') reads, mints and writes, and returns before any
+# of the registration's bookkeeping is even defined.
 _ACQUIRE_SOURCE = (
-    """
--- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
--- KEYS[4] the lock's waiting hash (see HANDOFF)
--- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms),
--- ARGV[4] origin id of a blocking wait ('' when not waiting): a failed attempt registers
--- it as waiting (since when: kept from a live registration, else now), ARGV[5] for how
--- long (ms), ARGV[6] what a success does to the registration: 'keep' (more waiters of
--- ours are in line: they wait from now on), 'drop' (none: unregister) or '' (nothing),
--- ARGV[7] the sender's loop time at sending, when the attempt is made by the head of
--- its client's line, listening for grants ('' otherwise): a failed attempt then also
--- registers ARGV[1], ARGV[2] and ARGV[7], so that another client's releaser may grant
--- the lock to this token (HANDOFF); the sender counts a granted lease from ARGV[7], which
--- precedes the grant. Otherwise an offer of another token of ours (the head's) stays.
--- returns {1, fencing token} when held by this token (new, or a retry of ours),
---         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
---         {-1, 0} when this attempt was abandoned (its tombstone exists)
--- Registration writes use pcall: under maxmemory they are skipped, not fatal.
-local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease: one read)
+    """local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease)
 if found[1] then
   return {-1, 0}
 end
 --[[job-prologue]]
-local function now_ms()
+local current = found[2]
+local suffix = ''
+--[[job-current]]
+local fence, text
+if not current then
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+    + _MINT_AND_STORE_FENCE
+    + f"""redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text .. suffix, 'PX', ARGV[2])
+elseif {_held()} then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  fence = {_FENCE_OF}
+elseif ARGV[4] == '' then
+  return {{0, redis.call('PTTL', KEYS[1])}}
 end
-local function register(since, now, exposed, old)
-  -- `old`: the client's current entry (or nil); an offer in it of another token of ours
-  -- (our line's head) stays, unless this attempt offers its own
-  local entry = string.format('%d:%d', since, now + ARGV[5])
-  if exposed then
-    entry = entry .. ':' .. ARGV[1] .. ':' .. ARGV[7] .. ':' .. ARGV[2] .. ':' .. now
-  elseif old then
-    local offer = string.match(old, '^%d+:%d+(:.*)$')
-    if offer and not string.find(offer, ':' .. ARGV[1] .. ':', 1, true) then
-      entry = entry .. offer
-    end
-  end
-  redis.pcall('HSET', KEYS[4], ARGV[4], entry)
-  if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[5]) then  -- only ever extended
-    redis.pcall('PEXPIRE', KEYS[4], ARGV[5])
-  end
+if fence and ARGV[6] == '' then
+  return {{1, fence}}
 end
-local function on_success()
+"""
+    + _register("ARGV[4]", "ARGV[5]")
+    + """local function kept(old)  -- an offer of another token of ours (our line's head)
+  local offer = old and string.match(old, '^%d+:%d+(:.*)$')
+  if offer and not string.find(offer, ':' .. ARGV[1] .. ':', 1, true) then
+    return offer
+  end
+  return ''
+end
+if fence then
   if ARGV[6] == 'keep' then
-    local now = now_ms()
-    register(now, now, false, redis.call('HGET', KEYS[4], ARGV[4]))
+"""
+    + _NOW
+    + """    register(now, now, kept(redis.call('HGET', KEYS[4], ARGV[4])))
   elseif ARGV[6] == 'drop' then
     redis.call('HDEL', KEYS[4], ARGV[4])
-  elseif ARGV[4] ~= '' then  -- no longer offer this token to other clients' releasers
+  else  -- (withdraw: no longer offer this token to other clients' releasers)
     local entry = redis.call('HGET', KEYS[4], ARGV[4])
     if entry and string.find(entry, ':' .. ARGV[1] .. ':', 1, true) then
       redis.call('HDEL', KEYS[4], ARGV[4])
     end
   end
+  return {1, fence}
 end
-local current = found[2]
-local mine = ARGV[1] .. ':'
-local suffix = ''
---[[job-current]]
-if current then
-  if string.sub(current, 1, #mine) == mine then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    on_success()
-    return {1, tonumber(string.match(current, '^[^:]*:(%d+)'))}
-  end
-  if ARGV[4] ~= '' then
-    local now = now_ms()
-    local since = now
-    local entry = redis.call('HGET', KEYS[4], ARGV[4])
-    if entry then
-      local s, u = string.match(entry, '^(%d+):(%d+)')
-      if s and tonumber(u) > now then
-        since = tonumber(s)
-      end
-    end
-    register(since, now, ARGV[7] ~= '', entry)
-  end
-  return {0, redis.call('PTTL', KEYS[1])}
-end
-local t = redis.call('TIME')
 """
-    + _MINT_AND_STORE_FENCE
-    + """redis.call('SET', KEYS[1], mine .. text .. suffix, 'PX', ARGV[2])
-on_success()
-return {1, fence}
+    + _NOW
+    + """local entry = redis.call('HGET', KEYS[4], ARGV[4])
+local s, u = string.match(entry or '', '^(%d+):(%d+)')
+local since = (s and tonumber(u) > now) and tonumber(s) or now
+if ARGV[7] ~= '' then
+  register(since, now, ':' .. ARGV[1] .. ':' .. ARGV[7] .. ':' .. ARGV[2] .. ':' .. now)
+else
+  register(since, now, kept(entry))
+end
+return {0, redis.call('PTTL', KEYS[1])}
 """
 )
 
@@ -355,17 +389,17 @@ ACQUIRE = Script(
     _ACQUIRE_SOURCE.replace("--[[job-prologue]]\n", "").replace("--[[job-current]]\n", ""),
 )
 
+# ACQUIRE_JOB: ACQUIRE for a job of once(); KEYS[5] its result hash {v: payload, f:
+# fingerprint}, or {e: why the result was not stored, f} for a job that ran without it,
+# ARGV[8] the caller's fingerprint digest ('' checks nothing), kept in the lease's value
+# as '<token>:<fence>:<digest>' while the job runs. Returns also {2, payload} when a
+# result is stored, {4, why} when the job ran but its result could not be stored, {3, the
+# other digest} for a fingerprint that is not the caller's.
 ACQUIRE_JOB = Script(
     "acquire_job",
     _ACQUIRE_SOURCE.replace(
         "--[[job-prologue]]",
-        """-- (a job of once(): KEYS[5] its result hash {v: payload, f: fingerprint}, or
--- {e: why the result was not stored, f} for a job that ran without it, ARGV[8] the
--- caller's fingerprint digest ('' checks nothing), kept in the lease's value as
--- '<token>:<fence>:<digest>' while the job runs; returns {2, payload} when a result is
--- stored, {4, why} when the job ran but its result could not be stored, {3, the other
--- digest} for a fingerprint that is not the caller's)
-local stored = redis.call('HMGET', KEYS[5], 'v', 'f', 'e')
+        """local stored = redis.call('HMGET', KEYS[5], 'v', 'f', 'e')
 if stored[1] or stored[3] then
   if ARGV[8] ~= '' and stored[2] and stored[2] ~= ARGV[8] then
     return {3, stored[2]}
@@ -387,18 +421,17 @@ end""",
     ),
 )
 
+# STORE: the end of a successful job of once(): store its result and release the lease
+# in one owner-checked step (a holder that lost its lease stores nothing).
+# KEYS[1] lease key, KEYS[2] result hash; ARGV[1] the lease's full value, ARGV[2] the
+# payload (or why it could not be stored), ARGV[3] the result's ttl (ms), ARGV[4] the
+# fingerprint digest ('' none), ARGV[5] the field ARGV[2] goes to ('v' a payload, 'e' the
+# marker of a job whose result could not be stored), ARGV[6] the release channel,
+# ARGV[7] the releasing client's origin id.
+# Returns 1 when stored (the lease deleted, waiters notified), 0 when not ours.
 STORE = Script(
     "store",
-    """
--- The end of a successful job of once(): store its result and release the lease in one
--- owner-checked step (a holder that lost its lease stores nothing).
--- KEYS[1] lease key, KEYS[2] result hash
--- ARGV[1] the lease's full value, ARGV[2] the payload (or why it could not be stored),
--- ARGV[3] the result's ttl (ms), ARGV[4] the fingerprint digest ('' none), ARGV[5] the
--- field ARGV[2] goes to ('v' a payload, 'e' the marker of a job whose result could not
--- be stored), ARGV[6] the release channel, ARGV[7] the releasing client's origin id
--- returns 1 when stored (the lease deleted, waiters notified), 0 when not ours
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    """if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[2])
@@ -414,12 +447,11 @@ return 1
 """,
 )
 
+# RENEW: KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] ttl (ms).
+# Returns 1 when the key still holds our value (its TTL is now exactly ttl), else 0.
 RENEW = Script(
     "renew",
-    """
--- KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] ttl (ms)
--- returns 1 when the key still holds our value (its TTL is now exactly ttl), else 0
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+    """if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
@@ -430,15 +462,14 @@ return 0
 RENEW_HEAD: Final = b"*6\r\n" + pack_args(("EVALSHA", RENEW.sha, 1))
 """The start of a packed RENEW command; the lease's key, value and ttl (ms) follow."""
 
+# RELEASE: KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] the release channel,
+# ARGV[3] the releasing client's origin id (published, so that client can ignore its own
+# notification), ARGV[4] (optional, hold_at_least) ms to keep the key for, instead of
+# deleting it. Returns 1 when our key was deleted or kept (and waiters notified), 0 when
+# not ours.
 RELEASE = Script(
     "release",
-    """
--- KEYS[1] lease key
--- ARGV[1] the lease's full value, ARGV[2] the release channel, ARGV[3] the releasing
--- client's origin id (published, so that client can ignore its own notification),
--- ARGV[4] (optional, hold_at_least) ms to keep the key for, instead of deleting it
--- returns 1 when our key was deleted or kept (and waiters notified), 0 when not ours
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+    """if redis.call('GET', KEYS[1]) == ARGV[1] then
   if ARGV[4] then
     redis.call('PEXPIRE', KEYS[1], ARGV[4])
   else
@@ -451,72 +482,66 @@ return 0
 """,
 )
 
+# HANDOFF: the release of a lock that has a waiter in the releasing client's own line.
+# The key goes straight to that waiter's token (with a new fencing token) in the same
+# round trip, unless a waiter of another client has been registered for at least the
+# patience (ms). Then the longest registered of those is served instead: if its client
+# offers a token (see ACQUIRE's ARGV[7]), the key goes to that token and the grant is
+# published for its client to pick up, on that client's grant channel for the lock
+# ("<release channel>:<its origin id>": no other client reads it); else it is a plain
+# release that lets every client's waiters compete (and the releasing client's own head
+# stands back, see WaitingRoom.wake_with_others).
+# KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone, KEYS[4]
+# the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time), followed by
+# ":<token>:<loop time>:<ttl ms>:<at ms>" when that client offers a token (made at <at
+# ms>, server time), KEYS[5] the tombstone of the waiter behind the next holder
+# ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms), ARGV[4]
+# fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id, ARGV[7]
+# 'keep' if our line still has waiters behind the next holder, else 'drop', ARGV[8]
+# registration lifetime (ms), ARGV[9] patience (ms), ARGV[10] our loop time at sending,
+# ARGV[11] the token of the waiter behind the next holder ('' if none) and ARGV[12] its
+# ttl (ms): our registration offers the next holder's token when the key does not go to
+# it, else ARGV[11] (neither if its tombstone exists: it gave up), ARGV[13] how old (ms)
+# an offer may be to be granted, at most (and never more than a third of the offered
+# TTL): an older one gets a plain release instead, which wakes its waiter to try (and
+# offer anew). A waiter that died leaves an offer behind; this bounds how long after its
+# last attempt a grant can still give it the key. ARGV[14] '1' if our client listens for
+# grants (WaitingRoom.listening), else '': then our registration offers no token (a grant
+# it missed would idle the lock).
+# An offered token is never tombstoned: ABANDON withdraws the offer when it writes the
+# tombstone, and ACQUIRE and this script offer no tombstoned token, so a grant needs no
+# look at the granted token's tombstone (a key this script was not given).
+# Returns {1, fencing token} when the key now belongs to the next token,
+#         {3, fencing token} when it already did (the next holder took it by an attempt of
+#           its own, or this is a retry after our handoff landed); its expiry is renewed,
+#           so the caller's send time is a valid start for the next holder,
+#         {5, fencing token} when granted to another client's waiter (published on
+#           "<ARGV[5]>:<its origin>" as
+#           "<our origin>:<its origin>:<token>:<fencing token>:<its loop time>"),
+#         {2, 0} when released as RELEASE does because another client's waiter is due,
+#         {4, 0} when released as RELEASE does because the next holder gave up,
+#         {0, 0} when the key was not ours.
+# Every branch writes first with a command that maxmemory never refuses (DEL, HDEL or
+# PEXPIRE), so that under noeviction the writes after it are not refused either: Redis
+# lets a script that has already written go on writing. (Script flags would end this.)
 HANDOFF = Script(
     "handoff",
-    """
--- The release of a lock that has a waiter in the releasing client's own line. The key
--- goes straight to that waiter's token (with a new fencing token) in the same round
--- trip, unless a waiter of another client has been registered for at least the
--- patience (ms). Then the longest registered of those is served instead: if its client
--- offers a token (see ACQUIRE's ARGV[7]), the key goes to that token and the grant is
--- published for its client to pick up, on that client's grant channel for the lock
--- ("<release channel>:<its origin id>": no other client reads it); else it is a plain
--- release that lets every client's waiters compete (and the releasing client's own head
--- stands back, see WaitingRoom.wake_with_others).
--- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] the next holder's tombstone,
--- KEYS[4] the lock's waiting hash: origin id -> "<since ms>:<until ms>" (server time),
--- followed by ":<token>:<loop time>:<ttl ms>:<at ms>" when that client offers a token
--- (made at <at ms>, server time),
--- KEYS[5] the tombstone of the waiter behind the next holder (see ARGV[11])
--- ARGV[1] our full value, ARGV[2] the next holder's token, ARGV[3] its ttl (ms),
--- ARGV[4] fence counter ttl (ms), ARGV[5] the release channel, ARGV[6] our origin id,
--- ARGV[7] 'keep' if our line still has waiters behind the next holder, else 'drop',
--- ARGV[8] registration lifetime (ms), ARGV[9] patience (ms), ARGV[10] our loop time at
--- sending, ARGV[11] the token of the waiter behind the next holder ('' if none) and
--- ARGV[12] its ttl (ms): our registration offers the next holder's token when the key
--- does not go to it, else ARGV[11] (neither if its tombstone exists: it gave up),
--- ARGV[13] how old (ms) an offer may be to be granted, at most (and never more than a
--- third of the offered TTL): an older one gets a plain release instead, which wakes its
--- waiter to try (and offer anew). A waiter that died leaves an offer behind; this bounds
--- how long after its last attempt a grant can still give it the key.
--- ARGV[14] '1' if our client listens for grants (WaitingRoom.listening), else '': then
--- our registration offers no token (a grant it missed would idle the lock).
--- An offered token is never tombstoned: ABANDON withdraws the offer when it writes the
--- tombstone, and ACQUIRE and this script offer no tombstoned token, so a grant needs no
--- look at the granted token's tombstone (a key this script was not given).
--- returns {1, fencing token} when the key now belongs to the next token,
---         {3, fencing token} when it already did (the next holder took it by an attempt
---           of its own, or this is a retry after our handoff landed); its expiry is
---           renewed, so the caller's send time is a valid start for the next holder,
---         {5, fencing token} when granted to another client's waiter (published on
---           "<ARGV[5]>:<its origin>" as
---           "<our origin>:<its origin>:<token>:<fencing token>:<its loop time>"),
---         {2, 0} when released as RELEASE does because another client's waiter is due,
---         {4, 0} when released as RELEASE does because the next holder gave up,
---         {0, 0} when the key was not ours
--- Every branch writes first with a command that maxmemory never refuses (DEL, HDEL or
--- PEXPIRE), so that under noeviction the writes after it are not refused either: Redis
--- lets a script that has already written go on writing. (Script flags would end this.)
-local current = redis.call('GET', KEYS[1])
-local nextmine = ARGV[2] .. ':'
-if current and string.sub(current, 1, #nextmine) == nextmine then
+    f"""local current = redis.call('GET', KEYS[1])
+if {_held("ARGV[2]")} then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {3, tonumber(string.sub(current, #nextmine + 1))}
+  return {{3, {_FENCE_OF}}}
 end
 if current ~= ARGV[1] then
-  return {0, 0}
+  return {{0, 0}}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function register(token, ttl)  -- our line waits on, from now
-  local entry = string.format('%d:%d', now, now + ARGV[8])
-  if token ~= '' then
-    entry = entry .. ':' .. token .. ':' .. ARGV[10] .. ':' .. ttl .. ':' .. now
+"""
+    + _NOW
+    + _register("ARGV[6]", "ARGV[8]")
+    + """local function offer(token, ttl)  -- our line's offer of `token` ('' offers none)
+  if token == '' then
+    return ''
   end
-  redis.pcall('HSET', KEYS[4], ARGV[6], entry)
-  if redis.call('PTTL', KEYS[4]) < tonumber(ARGV[8]) then  -- only ever extended
-    redis.pcall('PEXPIRE', KEYS[4], ARGV[8])
-  end
+  return ':' .. token .. ':' .. ARGV[10] .. ':' .. ttl .. ':' .. now
 end
 local due, due_since, due_entry = nil, 0, nil  -- the longest registered other client
 local waiting = redis.call('HGETALL', KEYS[4])
@@ -532,13 +557,14 @@ end
 local abandoned = redis.call('EXISTS', KEYS[3]) == 1
 local function keep_registered()  -- our line after the key went elsewhere
   if not abandoned then
-    register(ARGV[14] ~= '' and ARGV[2] or '', ARGV[3])
+    register(now, now, offer(ARGV[14] ~= '' and ARGV[2] or '', ARGV[3]))
   elseif ARGV[7] == 'keep' then
-    register('', 0)
+    register(now, now, '')
   else
     redis.call('HDEL', KEYS[4], ARGV[6])
   end
 end
+local fence, text
 if due then
   local token, loop_time, ttl, at =
     string.match(due_entry, '^%d+:%d+:(%x+):([^:]+):(%d+):(%d+)$')
@@ -565,42 +591,38 @@ end
 """
     + _MINT_FENCE
     + """redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
-redis.call('SET', KEYS[1], nextmine .. text, 'PX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2] .. ':' .. text, 'PX', ARGV[3])
 redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
-if ARGV[7] == 'keep' then
-  if ARGV[11] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
-    register('', 0)
-  else
-    register(ARGV[11], ARGV[12])
-  end
-else
+if ARGV[7] ~= 'keep' then
   redis.call('HDEL', KEYS[4], ARGV[6])
+elseif ARGV[11] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
+  register(now, now, '')
+else
+  register(now, now, offer(ARGV[11], ARGV[12]))
 end
 return {1, fence}
 """,
 )
 
+# ABANDON: KEYS[1] lease key, KEYS[2] the attempt's tombstone, KEYS[3] the lock's waiting
+# hash; ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel, ARGV[4]
+# the client's origin id.
+# Deletes the key if the abandoned attempt already landed (or another client's releaser
+# granted it to this token), withdraws the token's offer from the client's registration
+# (see HANDOFF), and leaves a tombstone so that the attempt, should it reach Redis after
+# this script, sets nothing, and no releaser grants the key to the token.
+# Returns 1 if it deleted. Under maxmemory the tombstone may be refused (pcall): an
+# attempt arriving later would then be refused by the same limit.
 ABANDON = Script(
     "abandon",
-    """
--- KEYS[1] lease key, KEYS[2] the attempt's tombstone, KEYS[3] the lock's waiting hash
--- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
--- ARGV[4] the client's origin id
--- Deletes the key if the abandoned attempt already landed (or another client's releaser
--- granted it to this token), withdraws the token's offer from the client's registration
--- (see HANDOFF), and leaves a tombstone so that the attempt, should it reach Redis after
--- this script, sets nothing, and no releaser grants the key to the token.
--- Returns 1 if it deleted. Under maxmemory the tombstone may be refused (pcall): an
--- attempt arriving later would then be refused by the same limit.
-local entry = redis.call('HGET', KEYS[3], ARGV[4])
+    f"""local entry = redis.call('HGET', KEYS[3], ARGV[4])
 if entry and string.find(entry, ':' .. ARGV[1] .. ':', 1, true) then
   redis.call('HDEL', KEYS[3], ARGV[4])  -- (first: a write that maxmemory never refuses)
   redis.pcall('HSET', KEYS[3], ARGV[4], string.match(entry, '^%d+:%d+'))
 end
 local current = redis.call('GET', KEYS[1])
-local mine = ARGV[1] .. ':'
 local deleted = 0
-if current and string.sub(current, 1, #mine) == mine then
+if {_held()} then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[3], ARGV[4])
   deleted = 1
@@ -624,25 +646,24 @@ return deleted
 # permit key is named from the lock's key in the script (it is only known there); it
 # shares the lock's hash tag, so it is in the same Cluster slot as the declared keys.
 
-_PERMIT_NOW = """local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
+# SEMAPHORE_ACQUIRE: a permit of a semaphore: a free slot found in its index (O(log N)),
+# its key set with a fencing token from the lock's one counter (so tokens rise per name
+# across permits).
+# KEYS[1] the limit the permits are held with, KEYS[2] fence counter, KEYS[3] this
+# attempt's key: '1' is its tombstone (see SEMAPHORE_ABANDON), 'p<slot>' the slot it took
+# (PX ttl: a retry of ours finds its permit there), KEYS[4] the lock's key (held as a
+# plain lock; the stem of the permit keys), KEYS[5] the permits' index
+# ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] limit
+# Returns {1, fencing token, slot} when a permit is held by this token (new, or a retry of
+# ours), {0, pttl in ms of the permit that expires first} when all are held, {-1, 0} when
+# this attempt was abandoned, {-2, the limit they are held with} for another limit, {-3,
+# 0} when the lock is held as a plain lock (limit 1).
+# (One pass of the loop, unless a permit key disagrees with its score: written from
+# outside the scripts; it is then indexed as it is and the next candidate taken, N + 1
+# passes at most.)
 SEMAPHORE_ACQUIRE = Script(
     "semaphore_acquire",
-    """
--- A permit of a semaphore: a free slot found in its index (O(log N)), its key set with a
--- fencing token from the lock's one counter (so tokens rise per name across permits).
--- KEYS[1] the limit the permits are held with, KEYS[2] fence counter, KEYS[3] this
--- attempt's key: '1' is its tombstone (see SEMAPHORE_ABANDON), 'p<slot>' the slot it took
--- (PX ttl: a retry of ours finds its permit there), KEYS[4] the lock's key (held as a
--- plain lock; the stem of the permit keys), KEYS[5] the permits' index
--- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] limit
--- returns {1, fencing token, slot} when a permit is held by this token (new, or a retry
--- of ours), {0, pttl in ms of the permit that expires first} when all are held, {-1, 0}
--- when this attempt was abandoned, {-2, the limit they are held with} for another limit,
--- {-3, 0} when the lock is held as a plain lock (limit 1)
-local found = redis.call('MGET', KEYS[3], KEYS[1], KEYS[4])  -- (one read for three)
+    """local found = redis.call('MGET', KEYS[3], KEYS[1], KEYS[4])  -- (one read for three)
 local attempt, held_with = found[1], found[2]
 if attempt == '1' then
   return {-1, 0}
@@ -654,10 +675,9 @@ if found[3] then  -- (a plain lock's key holds a string, as a shared lease's mar
   return {-3, 0}
 end
 """
-    + _PERMIT_NOW
-    + """local ttl = tonumber(ARGV[2])
+    + _NOW
+    + f"""local ttl = tonumber(ARGV[2])
 local stem = KEYS[4] .. ':permit:'
-local mine = ARGV[1] .. ':'
 local function index(slot, score)  -- (the index's expiry is never shortened)
   if redis.call('ZADD', KEYS[5], score, slot) == 1 and slot == '0' then
     redis.call('PEXPIRE', KEYS[5], score - now)  -- (new: slot 0 is the first taken)
@@ -666,19 +686,17 @@ local function index(slot, score)  -- (the index's expiry is never shortened)
   end
 end
 if attempt then  -- a retry of ours: the permit it took, if still ours
-  local key = stem .. string.sub(attempt, 2)
-  local current = redis.call('GET', key)
-  if current and string.sub(current, 1, #mine) == mine then
-    redis.call('PEXPIRE', key, ttl)
+  local slot = string.sub(attempt, 2)
+  local current = redis.call('GET', stem .. slot)
+  if {_held()} then
+    redis.call('PEXPIRE', stem .. slot, ttl)
     redis.call('PEXPIRE', KEYS[3], ttl)
-    index(string.sub(attempt, 2), now + ttl)
-    local fence = tonumber(string.match(current, '^[^:]*:(%d+)'))
-    return {1, fence, tonumber(string.sub(attempt, 2))}
+    index(slot, now + ttl)
+    return {{1, {_FENCE_OF}, tonumber(slot)}}
   end
 end
 local limit = tonumber(ARGV[4])
--- (one pass, unless a permit key disagrees with its score: written from outside the
--- scripts; it is then indexed as it is and the next candidate taken, N + 1 passes at most)
+local fence, text
 for _ = 0, limit do
   local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
   local slot
@@ -687,13 +705,13 @@ for _ = 0, limit do
   else
     local count = redis.call('ZCARD', KEYS[5])
     if count >= limit then
-      return {0, tonumber(first[2]) - now}
+      return {{0, tonumber(first[2]) - now}}
     end
     slot = tostring(count)  -- never taken yet
   end
 """
-    + _MINT_AND_STORE_FENCE.replace("\n", "\n  ")
-    + """if redis.call('SET', stem .. slot, mine .. text, 'PX', ttl, 'NX') then
+    + _MINT_AND_STORE_FENCE
+    + """if redis.call('SET', stem .. slot, ARGV[1] .. ':' .. text, 'PX', ttl, 'NX') then
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
     redis.call('SET', KEYS[3], 'p' .. slot, 'PX', ttl)
     index(slot, now + ttl)
@@ -706,15 +724,14 @@ return {0, ttl}
 """,
 )
 
+# SEMAPHORE_ABANDON: undo an acquire attempt of a semaphore's permit that may have
+# landed, and stop it from landing later. KEYS[1] the attempt's key (see
+# SEMAPHORE_ACQUIRE), KEYS[2] the permits' index, KEYS[3] the lock's key (the stem of the
+# permit keys); ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
+# ARGV[4] the client's origin id. Returns how many permits it gave back (0 or 1).
 SEMAPHORE_ABANDON = Script(
     "semaphore_abandon",
-    """
--- Undo an acquire attempt of a semaphore's permit that may have landed, and stop it
--- from landing later. KEYS[1] the attempt's key (see SEMAPHORE_ACQUIRE), KEYS[2] the
--- permits' index, KEYS[3] the lock's key (the stem of the permit keys)
--- ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel, ARGV[4] the
--- client's origin id; returns how many permits it gave back (0 or 1)
-local attempt = redis.call('GET', KEYS[1])
+    f"""local attempt = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
 if not attempt or attempt == '1' then
   return 0
@@ -722,7 +739,7 @@ end
 local slot = string.sub(attempt, 2)
 local key = KEYS[3] .. ':permit:' .. slot
 local current = redis.call('GET', key)
-if not (current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':') then
+if not {_held()} then
   return 0
 end
 redis.call('DEL', key)
@@ -732,47 +749,50 @@ return 1
 """,
 )
 
+# The permit of PERMIT_RENEW and PERMIT_RELEASE (KEYS[1] '<lock key>:permit:<slot>',
+# KEYS[2] the permits' index) kept for ARGV[n] ms more, its slot's score with it (the
+# index's expiry is never shortened).
+_KEEP_PERMIT = (
+    """redis.call('PEXPIRE', KEYS[1], ARGV[{n}])
+"""
+    + _NOW
+    + """redis.call('ZADD', KEYS[2], 'XX', now + ARGV[{n}], slot)
+redis.call('PEXPIRE', KEYS[2], ARGV[{n}], 'GT')
+"""
+)
+
+# PERMIT_RENEW: KEYS[1] the permit's key, KEYS[2] the permits' index; ARGV[1] the permit's
+# full value, ARGV[2] ttl (ms). Returns 1 when the key still holds our value (its TTL, and
+# its slot's score, now exactly ttl from now), else 0.
 PERMIT_RENEW = Script(
     "permit_renew",
-    """
--- KEYS[1] the permit's key ('<lock key>:permit:<slot>'), KEYS[2] the permits' index;
--- ARGV[1] the permit's full value, ARGV[2] ttl (ms)
--- returns 1 when the key still holds our value (its TTL, and its slot's score, now
--- exactly ttl from now), else 0
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    """if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local slot = string.match(KEYS[1], '(%d+)$')
 """
-    + _PERMIT_NOW
-    + """redis.call('ZADD', KEYS[2], 'XX', now + ARGV[2], string.match(KEYS[1], '(%d+)$'))
-redis.call('PEXPIRE', KEYS[2], ARGV[2], 'GT')  -- (the index has an expiry: never shortened)
-return 1
-""",
+    + _KEEP_PERMIT.format(n=2)
+    + "return 1\n",
 )
 
 PERMIT_RENEW_HEAD: Final = b"*7\r\n" + pack_args(("EVALSHA", PERMIT_RENEW.sha, 2))
 """The start of a packed PERMIT_RENEW command; the permit's key, the index, the permit's
 value and ttl (ms) follow."""
 
+# PERMIT_RELEASE: KEYS[1] the permit's key, KEYS[2] the permits' index; ARGV[1] the
+# permit's full value, ARGV[2] the release channel, ARGV[3] the releasing client's origin
+# id, ARGV[4] (optional, hold_at_least) ms to keep the permit for. Returns 1 when our
+# permit was given back (or kept) and waiters notified, 0 when not ours.
 PERMIT_RELEASE = Script(
     "permit_release",
-    """
--- KEYS[1] the permit's key, KEYS[2] the permits' index
--- ARGV[1] the permit's full value, ARGV[2] the release channel, ARGV[3] the releasing
--- client's origin id, ARGV[4] (optional, hold_at_least) ms to keep the permit for
--- returns 1 when our permit was given back (or kept) and waiters notified, 0 when not ours
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    """if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 local slot = string.match(KEYS[1], '(%d+)$')
 if ARGV[4] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
 """
-    + _PERMIT_NOW.replace("local ", "  local ")
-    + """  redis.call('ZADD', KEYS[2], 'XX', now + ARGV[4], slot)
-  redis.call('PEXPIRE', KEYS[2], ARGV[4], 'GT')
-else
+    + _KEEP_PERMIT.format(n=4)
+    + """else
   redis.call('DEL', KEYS[1])
   redis.call('ZADD', KEYS[2], 'XX', 0, slot)  -- free from now on
 end
@@ -782,35 +802,34 @@ return 1
 )
 
 
+# -- fair locks ---------------------------------------------------------------------------
+# FAIR_ACQUIRE: a lock taken in the order its waiters came (lease(..., fair=True)). The
+# waiters of every client queue in a sorted set (token -> server time of arrival,
+# microseconds); each says it is alive by each attempt (a hash: token -> server time in ms
+# until which it counts as waiting). The first live waiter in the queue, and nobody else,
+# may take the lock when it is free; waiters no longer alive are dropped from the head.
+# KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone, KEYS[4] the
+# queue, KEYS[5] the waiters' liveness hash; ARGV[1] token, ARGV[2] lease ttl (ms),
+# ARGV[3] fence counter ttl (ms), ARGV[4] for how long (ms) a waiter counts as alive after
+# an attempt, ARGV[5] 'wait' to join the queue (else a single attempt, which takes the
+# lock only when nobody waits).
+# Returns {1, fencing token} when held by this token (new, or a retry of ours),
+#         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
+#         {-1, 0} when this attempt was abandoned (its tombstone exists).
 FAIR_ACQUIRE = Script(
     "fair_acquire",
-    """
--- A lock taken in the order its waiters came (lease(..., fair=True)). The waiters of
--- every client queue in a sorted set (token -> server time of arrival, microseconds);
--- each says it is alive by each attempt (a hash: token -> server time in ms until which
--- it counts as waiting). The first live waiter in the queue, and nobody else, may take
--- the lock when it is free; waiters no longer alive are dropped from the queue's head.
--- KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
--- KEYS[4] the queue, KEYS[5] the waiters' liveness hash
--- ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] for how
--- long (ms) a waiter counts as alive after an attempt, ARGV[5] 'wait' to join the queue
--- (else a single attempt, which takes the lock only when nobody waits)
--- returns {1, fencing token} when held by this token (new, or a retry of ours),
---         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
---         {-1, 0} when this attempt was abandoned (its tombstone exists)
-local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease: one read)
+    f"""local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease)
 if found[1] then
-  return {-1, 0}
+  return {{-1, 0}}
 end
-local mine = ARGV[1] .. ':'
 local current = found[2]
-if current and string.sub(current, 1, #mine) == mine then
+if {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, tonumber(string.match(current, '^[^:]*:(%d+)'))}
+  return {{1, {_FENCE_OF}}}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local head = nil
+"""
+    + _NOW
+    + """local head = nil
 while true do
   local first = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
   if not first then
@@ -829,9 +848,10 @@ if not current and (head == nil or head == ARGV[1]) then
     redis.call('ZREM', KEYS[4], ARGV[1])
     redis.call('HDEL', KEYS[5], ARGV[1])
   end
+  local fence, text
 """
-    + _MINT_AND_STORE_FENCE.replace("\n", "\n  ")
-    + """redis.call('SET', KEYS[1], mine .. text, 'PX', ARGV[2])
+    + _MINT_AND_STORE_FENCE
+    + """redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text, 'PX', ARGV[2])
   return {1, fence}
 end
 if ARGV[5] == 'wait' then
@@ -850,22 +870,20 @@ return {0, redis.call('PTTL', KEYS[1])}
 """,
 )
 
+# FAIR_LEAVE: a waiter of a fair lock gives up (or its attempt's outcome is unknown): out
+# of the queue, the lock deleted if that attempt took it, a tombstone against a late
+# arrival, and the waiters woken (the queue's head may have changed).
+# KEYS[1] lease key, KEYS[2] the attempt's tombstone, KEYS[3] the queue, KEYS[4] the
+# liveness hash; ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
+# ARGV[4] the client's origin id. Returns 1 if it deleted the lock's key.
 FAIR_LEAVE = Script(
     "fair_leave",
-    """
--- A waiter of a fair lock gives up (or its attempt's outcome is unknown): out of the
--- queue, the lock deleted if that attempt took it, a tombstone against a late arrival,
--- and the waiters woken (the queue's head may have changed).
--- KEYS[1] lease key, KEYS[2] the attempt's tombstone, KEYS[3] the queue, KEYS[4] the
--- liveness hash; ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
--- ARGV[4] the client's origin id; returns 1 if it deleted the lock's key
-redis.call('ZREM', KEYS[3], ARGV[1])
+    f"""redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 local current = redis.call('GET', KEYS[1])
-local mine = ARGV[1] .. ':'
 local deleted = 0
-if current and string.sub(current, 1, #mine) == mine then
+if {_held()} then
   redis.call('DEL', KEYS[1])
   deleted = 1
 end
@@ -882,55 +900,65 @@ return deleted
 # in the sorted set '<lock key>:readers' (token -> server time in ms until which it
 # lives). The last one out deletes the marker and announces the release.
 
-_SHARED_DROP = """
--- (shared) drop the reader ARGV[1]'s token `token` from KEYS[3] and expired readers;
--- the last one out deletes the marker KEYS[2] and announces it on ARGV[2] (ARGV[3])
-redis.call('ZREM', KEYS[3], token)
-local longest = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')  -- (the last to expire)
-local last_out = not longest[1]  -- (the set is gone: Redis deletes an empty one)
-if not last_out then  -- (the clock is read only when other readers are left)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if tonumber(longest[2]) <= now then  -- every reader left has expired
-    redis.call('DEL', KEYS[3])
-    last_out = true
-  else
-    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+# Drop the reader `token` from KEYS[3]; the last one out (no other reader, or only expired
+# ones) deletes the set with the marker KEYS[2] and announces it on ARGV[2] (ARGV[3]),
+# else `token` and expired readers leave the set. Whether others are left is read from
+# the two members that expire last, before removing ours: the last one out (the
+# uncontended release) removes nothing member by member. The clock is read only when
+# another reader is in the set.
+_SHARED_DROP = f"""local top = redis.call('ZRANGE', KEYS[3], -2, -1, 'WITHSCORES')
+local other = nil  -- (when the longest other reader expires)
+for i = #top - 1, 1, -2 do
+  if top[i] ~= token then
+    other = tonumber(top[i + 1])
+    break
   end
 end
-if last_out and redis.call('GET', KEYS[2]) == 'shared' then
-  redis.call('DEL', KEYS[2])
-  redis.call('PUBLISH', ARGV[2], ARGV[3])
+local now = nil
+if other then
+  local t = redis.call('TIME')
+  now = {_NOW_MS}
 end
+if now and other > now then
+  redis.call('ZREM', KEYS[3], token)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+elseif redis.call('GET', KEYS[2]) == 'shared' then
+  redis.call('DEL', KEYS[2], KEYS[3])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+else
+  redis.call('DEL', KEYS[3])
+end
+return 1
 """
 
+# SHARED_ACQUIRE: KEYS[1] the lock's key, KEYS[2] fence counter, KEYS[3] this attempt's
+# tombstone, KEYS[4] the lock's waiting hash (exclusive waiters, see ACQUIRE), KEYS[5] the
+# readers, KEYS[6] this reader's own key; ARGV[1] token, ARGV[2] ttl (ms), ARGV[3] fence
+# ttl (ms).
+# Returns {1, fencing token} when held by this token (new, or a retry of ours),
+#         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an exclusive
+#         waiter registered (shared holders let it in first),
+#         {-1, 0} when this attempt was abandoned (its tombstone exists).
+# The marker and the readers' set get the reader's expiry when the marker is new (the
+# first reader in: whatever else the set holds has expired), else only ever extended.
 SHARED_ACQUIRE = Script(
     "shared_acquire",
-    """
--- KEYS[1] the lock's key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
--- KEYS[4] the lock's waiting hash (exclusive waiters, see ACQUIRE), KEYS[5] the readers,
--- KEYS[6] this reader's own key; ARGV[1] token, ARGV[2] ttl (ms), ARGV[3] fence ttl (ms)
--- returns {1, fencing token} when held by this token (new, or a retry of ours),
---         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an
---         exclusive waiter registered (shared holders let it in first),
---         {-1, 0} when this attempt was abandoned (its tombstone exists)
-local found = redis.call('MGET', KEYS[3], KEYS[6], KEYS[1])  -- (one read for three)
+    """local found = redis.call('MGET', KEYS[3], KEYS[6], KEYS[1])  -- (one read for three)
 if found[1] then
   return {-1, 0}
 end
-local mine = ARGV[1] .. ':'
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
+"""
+    + _NOW
+    + f"""local ttl = tonumber(ARGV[2])
 local current = found[2]
-local result
-if current and string.sub(current, 1, #mine) == mine then
-  result = tonumber(string.match(current, '^[^:]*:(%d+)'))
+local fence, text
+if {_held()} then
+  fence = {_FENCE_OF}
   redis.call('PEXPIRE', KEYS[6], ttl)
 else
   local holder = found[3]
   if holder and holder ~= 'shared' then
-    return {0, redis.call('PTTL', KEYS[1])}
+    return {{0, redis.call('PTTL', KEYS[1])}}
   end
   local waiting = redis.call('HGETALL', KEYS[4])
   for i = 2, #waiting, 2 do
@@ -938,43 +966,39 @@ else
     if until_ms and until_ms > now then
       local pttl = redis.call('PTTL', KEYS[1])
       if pttl < 0 or pttl > 1000 then pttl = 1000 end
-      return {0, pttl}
+      return {{0, pttl}}
     end
   end
 """
-    + _MINT_AND_STORE_FENCE.replace("\n", "\n  ")
-    + """redis.call('SET', KEYS[6], mine .. text, 'PX', ttl)
-  result = fence
+    + _MINT_AND_STORE_FENCE
+    + """redis.call('SET', KEYS[6], ARGV[1] .. ':' .. text, 'PX', ttl)
 end
 redis.call('ZADD', KEYS[5], now + ttl, ARGV[1])
 if redis.call('SET', KEYS[1], 'shared', 'PX', ttl, 'NX') then
-  -- the first reader in: whatever else the readers' set holds has expired
   redis.call('PEXPIRE', KEYS[5], ttl)
-else  -- (both have an expiry, set when the marker was: never shortened)
+else
   redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
   redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
 end
-return {1, result}
+return {1, fence}
 """,
 )
 
+# SHARED_RENEW: KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
+# ARGV[1] the reader's full value, ARGV[2] ttl (ms). Returns 1 when still ours (its key,
+# its member and the marker now live >= ttl), else 0 (also when an exclusive holder got
+# in: the marker was deleted from outside).
 SHARED_RENEW = Script(
     "shared_renew",
-    """
--- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
--- ARGV[1] the reader's full value, ARGV[2] ttl (ms)
--- returns 1 when still ours (its key, its member and the marker now live >= ttl), else 0
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    """local found = redis.call('MGET', KEYS[1], KEYS[2])
+local holder = found[2]
+if found[1] ~= ARGV[1] or (holder and holder ~= 'shared') then
   return 0
 end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= 'shared' then
-  return 0  -- (an exclusive holder got in: the marker was deleted from outside)
-end
 local ttl = tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('PEXPIRE', KEYS[1], ttl)
+"""
+    + _NOW
+    + """redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('ZADD', KEYS[3], now + ttl, string.match(ARGV[1], '^([^:]*):'))
 if redis.call('PTTL', KEYS[3]) < ttl then
   redis.call('PEXPIRE', KEYS[3], ttl)
@@ -992,58 +1016,50 @@ SHARED_RENEW_HEAD: Final = b"*8\r\n" + pack_args(("EVALSHA", SHARED_RENEW.sha, 3
 """The start of a packed SHARED_RENEW command; the reader's key, the lock's key, the
 readers' set, the reader's value and ttl (ms) follow."""
 
+# SHARED_RELEASE: KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
+# ARGV[1] the reader's full value, ARGV[2] the release channel, ARGV[3] our origin id.
+# Returns 1 when our reader key was deleted (the marker too if we were the last), else 0.
+# (Read and deleted in one GETDEL: the key is named by our token, and only SHARED_ACQUIRE
+# with that token writes it, so no other holder's value can be in it.)
 SHARED_RELEASE = Script(
     "shared_release",
-    """
--- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
--- ARGV[1] the reader's full value, ARGV[2] the release channel, ARGV[3] our origin id
--- returns 1 when our reader key was deleted (the marker too if we were the last), else 0
--- (read and deleted in one GETDEL: the key is named by our token, and only
--- SHARED_ACQUIRE with that token writes it, so no other holder's value can be in it)
-if redis.call('GETDEL', KEYS[1]) ~= ARGV[1] then
+    """if redis.call('GETDEL', KEYS[1]) ~= ARGV[1] then
   return 0
 end
 local token = string.match(ARGV[1], '^([^:]*):')
 """
-    + _SHARED_DROP
-    + """return 1
-""",
+    + _SHARED_DROP,
 )
 
+# SHARED_ABANDON: undo a shared acquire attempt that may have landed, and stop it from
+# landing later. KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers,
+# KEYS[4] the attempt's tombstone; ARGV[1] token, ARGV[2] the release channel, ARGV[3] our
+# origin id, ARGV[4] tombstone ttl (ms). Returns 1 if it gave a shared hold back.
 SHARED_ABANDON = Script(
     "shared_abandon",
-    """
--- Undo a shared acquire attempt that may have landed, and stop it from landing later.
--- KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers, KEYS[4] the
--- attempt's tombstone; ARGV[1] token, ARGV[2] the release channel, ARGV[3] our origin
--- id, ARGV[4] tombstone ttl (ms); returns 1 if it gave a shared hold back
-redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
+    f"""redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
 local current = redis.call('GET', KEYS[1])
 local token = ARGV[1]
-if not (current and string.sub(current, 1, #token + 1) == token .. ':') then
+if not {_held()} then
   return 0
 end
 redis.call('DEL', KEYS[1])
 """
-    + _SHARED_DROP
-    + """return 1
-""",
+    + _SHARED_DROP,
 )
 
 
+# STATISTICS: what holds a lock, and who waits for it, read in one step (nothing is
+# written). KEYS[1] the lock's key, KEYS[2] its readers, KEYS[3] its permits' limit,
+# KEYS[4] its waiting hash, KEYS[5] its fair queue, KEYS[6] the queue's liveness hash,
+# KEYS[7] its permits' index (see SEMAPHORE_ACQUIRE).
+# Returns {pttl of the lock's key (-2: none), 1 if it holds the shared marker, live
+# readers, the permits' limit (0: none), permits held, clients registered waiting, live
+# queued waiters}.
 STATISTICS = Script(
     "statistics",
-    """
--- What holds a lock, and who waits for it, read in one step (nothing is written).
--- KEYS[1] the lock's key, KEYS[2] its readers, KEYS[3] its permits' limit, KEYS[4] its
--- waiting hash, KEYS[5] its fair queue, KEYS[6] the queue's liveness hash, KEYS[7] its
--- permits' index (see SEMAPHORE_ACQUIRE)
--- returns {pttl of the lock's key (-2: none), 1 if it holds the shared marker, live
--- readers, the permits' limit (0: none), permits held, clients registered waiting, live
--- queued waiters}
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local pttl = redis.call('PTTL', KEYS[1])
+    _NOW
+    + """local pttl = redis.call('PTTL', KEYS[1])
 local shared = 0
 if pttl ~= -2 and redis.call('GET', KEYS[1]) == 'shared' then
   shared = 1
@@ -1051,21 +1067,17 @@ end
 local readers = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
 local limit = tonumber(redis.call('GET', KEYS[3]) or '0')
 local permits = redis.call('ZCOUNT', KEYS[7], '(' .. now, '+inf')
-local waiting = 0
-local entries = redis.call('HGETALL', KEYS[4])
-for i = 2, #entries, 2 do
-  local until_ms = tonumber(string.match(entries[i], '^%d+:(%d+)'))
-  if until_ms and until_ms > now then
-    waiting = waiting + 1
+local function live(hash, pattern)  -- entries of `hash` whose time (ms) is still ahead
+  local count, entries = 0, redis.call('HGETALL', hash)
+  for i = 2, #entries, 2 do
+    local until_ms = tonumber(string.match(entries[i], pattern))
+    if until_ms and until_ms > now then
+      count = count + 1
+    end
   end
+  return count
 end
-local queued = 0
-local alive = redis.call('HGETALL', KEYS[6])
-for i = 2, #alive, 2 do
-  if tonumber(alive[i]) > now then
-    queued = queued + 1
-  end
-end
-return {pttl, shared, readers, limit, permits, waiting, queued}
+return {pttl, shared, readers, limit, permits, live(KEYS[4], '^%d+:(%d+)'),
+  live(KEYS[6], '^([^:]+)$')}
 """,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .aioredlock_peer import AioredlockPeer
 from .asynclock_acquire_peer import AsynclockAcquirePeer
+from .asynclock_kinds_peer import AsynclockSemaphorePeer, AsynclockSharedPeer
 from .asynclock_peer import AsynclockPeer
 from .base import (
     BURST,
@@ -43,10 +44,13 @@ __all__ = [
 ]
 
 #: Every peer, in the order of the tables: asynclock first (its `async with` form, then its
-#: `acquire()` form), then the baselines.
+#: `acquire()` form, then its semaphore and shared lease in the hand-over scenarios), then
+#: the baselines.
 ALL_PEERS: tuple[type[Peer], ...] = (
     AsynclockPeer,
     AsynclockAcquirePeer,
+    AsynclockSemaphorePeer,
+    AsynclockSharedPeer,
     RawPeer,
     RedisPyLockPeer,
     RedisPyLockFastPeer,

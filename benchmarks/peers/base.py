@@ -72,6 +72,11 @@ class AsyncSession(abc.ABC):
     def lock(self, name: str) -> AbstractAsyncContextManager[object]:
         """Block until ``name`` is held; release it when the block exits."""
 
+    def lock_as(self, name: str, contender: int) -> AbstractAsyncContextManager[object]:
+        """``lock(name)`` for the contender numbered ``contender`` of a hand-over
+        scenario (a peer whose contenders differ, see ``Peer.reader``, overrides it)."""
+        return self.lock(name)
+
     async def hold_many(self, names: Sequence[str], ttl: float, concurrency: int) -> Holding:
         """Acquire every name (at most ``concurrency`` at a time) and keep them renewed."""
         raise NotImplementedError
@@ -132,6 +137,11 @@ class Peer(abc.ABC):
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
+
+    def reader(self, contender: int) -> bool:
+        """Whether the contender numbered ``contender`` of a hand-over scenario holds a
+        shared (read) lease, which may overlap other readers' (never a writer's)."""
+        return False
 
     def supports(self, family: str) -> bool:
         return family not in self.unsupported

@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..child import Child
@@ -42,7 +43,8 @@ def handoff_one_process(peer: Peer, ctx: Context) -> Measurement:
         return contend_threads(session, name, contenders, plan(), p.max_ops)
 
     holds = in_session(peer, ctx.url, run_async, run_threads)
-    return Measurement(contention_metrics(holds, window[0], window[1], p.contenders))
+    reader = _reader(peer)
+    return Measurement(contention_metrics(holds, window[0], window[1], p.contenders, reader))
 
 
 def handoff_processes(peer: Peer, ctx: Context) -> Measurement:
@@ -82,9 +84,15 @@ async def _handoff_processes(peer: Peer, ctx: Context) -> Measurement:
     finally:
         for child in children:
             await child.close()
-    metrics = contention_metrics(holds, start, end, p.contenders)
-    metrics.update(process_handoff_metrics(holds, start, end, process_of))
+    reader = _reader(peer)
+    metrics = contention_metrics(holds, start, end, p.contenders, reader)
+    metrics.update(process_handoff_metrics(holds, start, end, process_of, reader))
     return Measurement(metrics)
+
+
+def _reader(peer: Peer) -> Callable[[int], bool] | None:
+    """``peer.reader`` if any of the peer's contenders holds a shared lease."""
+    return peer.reader if any(peer.reader(c) for c in range(64)) else None
 
 
 # -- the child's side ------------------------------------------------------------------
