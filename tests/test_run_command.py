@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -315,3 +316,170 @@ async def test_run_prints_no_password(private_server: RedisServer, prefix: str) 
             continue
         assert process.returncode == (2 if label == "unparsable" else 69), (label, output)
         assert "***" in err.decode(), (label, output)
+
+
+# -- the dead man's switch: the command stops at the deadline whatever the supervisor does
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, zombies aside."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[1] == str(pid) and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _kill_if_running(*pids: int) -> None:
+    """SIGKILL what is left of ``pids`` (a failed test leaves nothing behind)."""
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _poll(predicate: Any, timeout: float) -> float:
+    """Seconds until ``predicate()`` held, polled every 10 ms; AssertionError after
+    ``timeout`` seconds."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"{predicate} did not hold within {timeout}s")
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+# A command that ignores SIGTERM, writes its pid to argv[1], then the time to argv[2]
+# every 10 ms.
+_STUBBORN_PID = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1], "w").write(str(os.getpid()))
+with open(sys.argv[2], "a") as out:
+    while True:
+        out.write(f"{time.time()!r}\\n")
+        out.flush()
+        time.sleep(0.01)
+"""
+
+
+def _stubborn_under_a_lease(
+    url: str, name: str, ttl: str, tmp_path: Path
+) -> tuple[subprocess.Popen[str], int, int]:
+    """``asynclock run`` of a command ignoring SIGTERM: the runner, the command's pid, the
+    reaper's pid (the runner's other child)."""
+    runner = _run(
+        url, name, "--ttl", ttl, "--grace", "0.5", "--",
+        sys.executable, "-c", _STUBBORN_PID, str(tmp_path / "pid"), str(tmp_path / "log"),
+    )  # fmt: skip
+    pid = int(_wait_for(tmp_path / "pid"))
+    _poll(lambda: len(_children(runner.pid)) == 2, 10)
+    (reaper,) = set(_children(runner.pid)) - {pid}
+    return runner, pid, reaper
+
+
+def test_a_stopped_supervisor_s_command_is_gone_by_the_deadline(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """``asynclock run`` alone SIGSTOPped, its command ignoring SIGTERM: the reaper kills
+    the command before the lease could expire (ttl after its last renewal), a second run
+    of the name then runs after it, and the supervisor, resumed, exits 75."""
+    ttl = 3.0
+    name = f"{prefix}stopped-supervisor"
+    runner, pid, reaper = _stubborn_under_a_lease(redis_server.url, name, str(ttl), tmp_path)
+    try:
+        runner.send_signal(signal.SIGSTOP)
+        dead_after = _poll(lambda: not _running(pid), ttl + 5)
+        assert dead_after < ttl, dead_after
+        _poll(lambda: not _running(reaper), 5)  # (it exits with its command)
+        second = _run(
+            redis_server.url, name, "--ttl", "5", "--wait", "30", "--",
+            sys.executable, "-c", _ONCE, str(tmp_path / "second"),
+        )  # fmt: skip
+        assert _finish(second, 40)[0] == 0
+    finally:
+        runner.send_signal(signal.SIGCONT)
+        code, err = _finish(runner)
+        _kill_if_running(pid, reaper)
+    assert code == EXIT_LOST, err
+    assert "Traceback" not in err, err
+    last_of_first = max(float(line) for line in (tmp_path / "log").read_text().split())
+    first_of_second = float((tmp_path / "second").read_text())
+    assert last_of_first < first_of_second, (last_of_first, first_of_second)
+    assert not _running(pid)
+    assert not _running(reaper)
+
+
+def test_a_killed_supervisor_s_command_is_gone_promptly(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """``asynclock run`` SIGKILLed: its reaper sends SIGTERM at once and SIGKILL after
+    the grace (0.5 s), long before the lease's TTL (20 s) runs out, then exits."""
+    runner, pid, reaper = _stubborn_under_a_lease(
+        redis_server.url, f"{prefix}killed-supervisor", "20", tmp_path
+    )
+    try:
+        runner.kill()
+        _finish(runner)
+        dead_after = _poll(lambda: not _running(pid), 10)
+        assert dead_after < 5, dead_after
+        _poll(lambda: not _running(reaper), 5)
+    finally:
+        _kill_if_running(pid, reaper)
+
+
+def test_the_command_gets_the_lease_s_fencing_token(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """``ASYNCLOCK_FENCING_TOKEN``, ``ASYNCLOCK_LEASE_KEY`` and ``ASYNCLOCK_LEASE_TTL``
+    name the lease the command runs under (its key's value is ``<token>:<fencing
+    token>``); the reaper leaves with the command."""
+    name = f"{prefix}fenced-command"
+    key = f"asynclock:{{{name}}}"
+    environ, go = tmp_path / "environ", tmp_path / "go"
+    command = (
+        "import json, os, sys, time\n"
+        f"open({str(environ)!r}, 'w').write(json.dumps([os.getpid(), dict(os.environ)]))\n"
+        "end = time.monotonic() + 30\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+    )
+    runner = _run(redis_server.url, name, "--ttl", "5", "--", sys.executable, "-c", command)
+    try:
+        command_pid, seen = json.loads(_wait_for(environ))
+        value = SyncRedis.from_url(redis_server.url).get(key)
+        _poll(lambda: len(_children(runner.pid)) == 2, 10)  # (the command, its reaper)
+        reapers = set(_children(runner.pid)) - {command_pid}
+    finally:
+        go.write_text("1")
+        code, err = _finish(runner)
+    assert code == 0, err
+    assert value is not None
+    assert value.decode().split(":")[1] == seen["ASYNCLOCK_FENCING_TOKEN"]
+    assert seen["ASYNCLOCK_LEASE_KEY"] == key
+    assert seen["ASYNCLOCK_LEASE_TTL"] == "5"
+    assert len(reapers) == 1
+    assert not any(_running(pid) for pid in reapers)
+
+
+def test_a_command_outliving_the_ttl_runs_to_its_end(redis_server: ServerInfo, prefix: str) -> None:
+    """The reaper's deadline moves at each renewal: a command lasting 3 TTLs is not
+    stopped, and returns its own status."""
+    command = [sys.executable, "-c", "import time; time.sleep(2.4); raise SystemExit(5)"]
+    code, err = _finish(_run(redis_server.url, f"{prefix}long", "--ttl", "0.8", "--", *command))
+    assert code == 5, err
+    assert "reaper" not in err, err
+    assert "sent SIG" not in err, err

@@ -10,6 +10,12 @@ seconds later, or ``margin`` seconds before that deadline if that comes first; o
 lease is lost outright (the key is not ours any more) SIGTERM comes at once and SIGKILL
 ``grace`` later. The command's exit ends the lease at once. SIGTERM and SIGINT sent to
 us are passed on to the child, whose status we then return.
+
+None of that can happen while we are stopped, killed or our event loop is blocked, so a
+reaper process (``_reaper.py``, a dead man's switch) is told the safe deadline, moved at
+each confirmed renewal, and stops the command there on its own, or at once if we die.
+The command's environment carries the lease: ``ASYNCLOCK_FENCING_TOKEN``,
+``ASYNCLOCK_LEASE_KEY`` and ``ASYNCLOCK_LEASE_TTL`` (``command_environment``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import anyio
 from redis.asyncio import Redis
@@ -33,8 +39,9 @@ from .._base._urls import safe_url
 from .._lifecycle._context import lease
 from .._lifecycle._lease import Lease, LeaseState
 from .._redis._valkey import family_named, valkey_errors
+from ._reaper import MARGIN, Reaper
 
-__all__ = ["EXIT_LOST", "EXIT_UNAVAILABLE", "RunConfig", "run_command"]
+__all__ = ["EXIT_LOST", "EXIT_UNAVAILABLE", "RunConfig", "command_environment", "run_command"]
 
 EXIT_LOST: Final = 75
 """Exit status when the lease was lost and the command was stopped (EX_TEMPFAIL)."""
@@ -43,7 +50,6 @@ EXIT_UNAVAILABLE: Final = 69
 """Exit status when Redis could not be reached or refused us (EX_UNAVAILABLE)."""
 
 _UNREACHABLE: Final = (RedisError, OSError)  # Redis could not be reached, or refused us
-_MARGIN: Final = 0.1  # seconds before the safe deadline by which the child is killed
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,19 @@ def _say(message: str) -> None:
 def _status(returncode: int) -> int:
     """A child's return code as a shell reports it (128 + N for signal N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def command_environment(held: Lease) -> dict[str, str]:
+    """The command's environment: ours, plus the lease it runs under
+    (``ASYNCLOCK_FENCING_TOKEN``: the lease's fencing token, for the command to fence its
+    writes; ``ASYNCLOCK_LEASE_KEY``: its Redis key; ``ASYNCLOCK_LEASE_TTL``: its TTL in
+    seconds)."""
+    return {
+        **os.environ,
+        "ASYNCLOCK_FENCING_TOKEN": str(held.fencing_token),
+        "ASYNCLOCK_LEASE_KEY": held.key,
+        "ASYNCLOCK_LEASE_TTL": f"{held.ttl:g}",
+    }
 
 
 async def run_command(config: RunConfig) -> int:
@@ -113,16 +132,50 @@ async def run_command(config: RunConfig) -> int:
 
 
 async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> int:
-    """Start the child and wait for it, returning as soon as it exits; once renewals
-    fail, stop it at once, so that it is gone before the lease's safe deadline."""
+    """Start the child and its reaper and wait for the child, returning as soon as it
+    exits; once renewals fail, stop it at once, so that it is gone before the lease's
+    safe deadline."""
     try:
-        child = await asyncio.create_subprocess_exec(*config.command)
+        child = await asyncio.create_subprocess_exec(*config.command, env=command_environment(held))
     except OSError as exc:
         _say(f"cannot run {config.command[0]!r}: {exc}")
         return 127 if isinstance(exc, FileNotFoundError) else 126
     loop = asyncio.get_running_loop()
     forwarded = _forward_signals(loop, child)
     exited = asyncio.ensure_future(child.wait())
+    reaper = await _start_reaper(config, held, child)
+    try:
+        return await _watch(config, held, changed, child, exited, reaper)
+    finally:
+        for signum in forwarded:
+            loop.remove_signal_handler(signum)
+        if reaper is not None:
+            with anyio.CancelScope(shield=True):
+                await reaper.close(command_exited=exited.done())
+
+
+async def _start_reaper(
+    config: RunConfig, held: Lease, child: asyncio.subprocess.Process
+) -> Reaper | None:
+    """The child's dead man's switch (None if it has exited, or cannot be had: said)."""
+    try:
+        return await Reaper.start(child.pid, config.kill_grace, held.safe_until)
+    except (OSError, AttributeError) as exc:  # (AttributeError: no os.pidfd_open here)
+        _say(f"cannot start the reaper, the command runs without it: {exc}")
+        return None
+
+
+async def _watch(
+    config: RunConfig,
+    held: Lease,
+    changed: asyncio.Event,
+    child: asyncio.subprocess.Process,
+    exited: asyncio.Future[int],
+    reaper: Reaper | None,
+) -> int:
+    """Wait for the child, moving the reaper's deadline at each renewal; stop the child
+    once renewals fail (``EXIT_LOST``), or when we are cancelled (then re-raised)."""
+    loop = asyncio.get_running_loop()
     stopping = False  # (SIGTERM sent: a loss arriving now kills without more grace)
     try:
         while not exited.done():
@@ -136,11 +189,17 @@ async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> 
                 with anyio.CancelScope(shield=True):  # (the deadline bounds it anyway)
                     await _stop(child, exited, _kill_after(config, held, loop))
                 return EXIT_LOST
+            if reaper is not None:
+                reaper.move(held.safe_until)
             notice = asyncio.ensure_future(changed.wait())
+            either: set[asyncio.Future[Any]] = {exited, notice}
             try:
-                await asyncio.wait({exited, notice}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 notice.cancel()
+        if exited.result() < 0 and reaper is not None and reaper.fired():
+            _say(f"the lease {config.name!r} ran out unrenewed; the reaper stopped the command")
+            return EXIT_LOST
         return _status(exited.result())
     except asyncio.CancelledError:
         # The lease was lost (LockLost follows) or we were cancelled: stop the child
@@ -148,15 +207,12 @@ async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> 
         with anyio.CancelScope(shield=True):
             await _stop(child, exited, 0.0 if stopping else config.kill_grace)
         raise
-    finally:
-        for signum in forwarded:
-            loop.remove_signal_handler(signum)
 
 
 def _kill_after(config: RunConfig, held: Lease, loop: asyncio.AbstractEventLoop) -> float:
     """Seconds from now to SIGKILL: ``--grace``, cut short so that the child is gone
-    ``_MARGIN`` seconds before the lease's safe deadline."""
-    return max(0.0, min(config.kill_grace, held.safe_until - _MARGIN - loop.time()))
+    ``MARGIN`` seconds before the lease's safe deadline."""
+    return max(0.0, min(config.kill_grace, held.safe_until - MARGIN - loop.time()))
 
 
 async def _stop(
