@@ -60,6 +60,14 @@ exit status: the command's (128 + N if it died of signal N); --busy-exit (0) whe
 holder has the lock (or --wait ran out); 75 when the lease was lost and the command was
 stopped (SIGTERM, then SIGKILL after --grace, before the lease's safe deadline); 69 when
 Redis could not be reached; 2 for bad usage; 126/127 when the command cannot be run.
+
+a reaper process (Linux) stops the command at the lease's safe deadline even if this
+process is stopped, killed or stalled: SIGTERM --grace before it, SIGKILL just before it
+(at once, and SIGKILL after --grace, if this process dies).
+
+the command's environment: ASYNCLOCK_FENCING_TOKEN (the lease's fencing token, to fence
+its writes with), ASYNCLOCK_LEASE_KEY (the lease's Redis key), ASYNCLOCK_LEASE_TTL (its
+TTL in seconds).
 """
 
 

@@ -19,7 +19,10 @@ the grace, never later than ``deadline - MARGIN``.
 
 The reaper never outlives the command for long: it exits as soon as the command has
 exited (the pidfd turns readable), on ``done``, and at most ``_AFTER_KILL`` seconds after
-its ``SIGKILL``; it never waits on anything but its stdin and the pidfd.
+its ``SIGKILL``; it never waits on anything but its stdin and the pidfd. It signals the
+command's process only (as the supervisor does), not the command's own children. Left
+open: the few milliseconds between the command's start and the reaper's, in which a
+stopped supervisor has no switch yet.
 """
 
 from __future__ import annotations
