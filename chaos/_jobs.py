@@ -4,7 +4,10 @@ Design note. A run of its own beside the lock modes' (``_run``), for what they c
 do: the nemesis here kills processes (``runner_kill``: ``SIGKILL`` of a process running a
 job, started again at once under a new name, ``w<slot>.<generation>``) and stops whole
 process groups (``runner_stop``: a worker, or a machine of ``--jobs run`` with its
-``asynclock run`` and its command, for 2.5 TTLs); its other faults are the ordinary
+``asynclock run`` and its command, for 2.5-6 TTLs), and in ``--jobs run`` stops or kills
+the ``asynclock run`` process alone, its command running on (``supervisor_stop``,
+``supervisor_kill``: its reaper must stop the command by the lease's deadline, no
+overlap excused); its other faults are the ordinary
 nemesis's (``chaos._nemesis.Nemesis``), on a private server with one
 :class:`~asynclock.testing.FaultProxy` per slot. The workers (``chaos._jobworker``) tell
 the parent when a job is running (``busy``), which the nemesis aims at; everything else
@@ -44,7 +47,7 @@ from asynclock.testing import (
 
 from . import _jobcheck as check
 from ._jobworker import JobWorkerConfig
-from ._nemesis import FaultKind, Injection, Nemesis, Target
+from ._nemesis import Fault, FaultKind, Injection, Nemesis, Target
 from ._summary import Summary
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ _SKEW: Final = (0.1, 0.24)  # ... and each process's clock skew, in periods (eit
 _READY: Final = 30.0  # seconds for a worker to start
 _STOP_GRACE: Final = 10.0  # seconds (plus 4 TTLs) for the workers to stop when told
 _BUSY_WAIT: Final = 1.0  # TTLs runner_kill/runner_stop wait for a busy process
+_SUPERVISOR_FAULTS: Final = (FaultKind.SUPERVISOR_STOP, FaultKind.SUPERVISOR_KILL)
 _WORKER_CODE: Final = "import sys; from chaos._jobworker import main; sys.exit(main())"
 _ROOT: Final = str(Path(__file__).resolve().parents[1])
 
@@ -80,6 +84,7 @@ class _Slot:
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     stderr: deque[str] = dataclasses.field(default_factory=lambda: deque(maxlen=20))
     killed: bool = False
+    supervisor: int = 0  # (``--jobs run``: the pid of its ``asynclock run``, 0: none now)
     tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
 
@@ -154,6 +159,9 @@ class _JobRun:
                 elif message.get("k") == "busy":
                     slot.busy = int(message["on"])
                     self.busy_changed.set()
+                elif message.get("k") == "supervisor":
+                    slot.supervisor = int(message["pid"])
+                    self.busy_changed.set()
         if not (self.stopping or slot.killed):
             self.died.append(f"{slot.name} died (exit status {await slot.proc.wait()})")
 
@@ -165,14 +173,19 @@ class _JobRun:
     def _targets(self, busy_only: bool) -> list[Target]:
         return [Target(s.name, s.proc.pid, s.index) for s in self.slots if s.busy or not busy_only]
 
-    async def _runner(self, pick: float) -> _Slot:
-        """A slot running a job (waits up to a TTL for one; else any), chosen by ``pick``."""
+    async def _runner(self, pick: float, supervising: bool = False) -> _Slot:
+        """A slot running a job (waits up to a TTL for one; else any), chosen by ``pick``;
+        ``supervising``: one whose ``asynclock run`` runs (else any, for a skip)."""
+
+        def ready(slot: _Slot) -> bool:
+            return bool(slot.supervisor if supervising else slot.busy)
+
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_BUSY_WAIT * self.config.ttl):
-                while not any(s.busy for s in self.slots):
+                while not any(ready(s) for s in self.slots):
                     self.busy_changed.clear()
                     await self.busy_changed.wait()
-        among = [s for s in self.slots if s.busy] or self.slots
+        among = [s for s in self.slots if ready(s)] or self.slots
         return among[min(int(pick * len(among)), len(among) - 1)]
 
     def _signal(self, slot: _Slot, signum: int) -> None:
@@ -182,14 +195,18 @@ class _JobRun:
     # -- faults ---------------------------------------------------------------------------
 
     async def _inject(self, nemesis: Nemesis, injection: Injection) -> None:
-        """A fault of this mode's own (``runner_kill``, ``runner_stop``)."""
+        """A fault of this mode's own (``runner_kill``, ``runner_stop``,
+        ``supervisor_stop``, ``supervisor_kill``)."""
         fault = injection.fault
         injection.start, injection.start_wall = time.monotonic(), time.time()
-        slot = await self._runner(fault.pick)
+        supervising = fault.kind in _SUPERVISOR_FAULTS
+        slot = await self._runner(fault.pick, supervising)
         injection.target = slot.name
         injection.start = time.monotonic()
         try:
-            if fault.kind is FaultKind.RUNNER_KILL:
+            if supervising:
+                injection.outcome = await self._supervisor_fault(slot, fault)
+            elif fault.kind is FaultKind.RUNNER_KILL:
                 slot.killed = True
                 self._signal(slot, signal.SIGKILL)
                 await slot.proc.wait()
@@ -205,13 +222,32 @@ class _JobRun:
             injection.end, injection.end_wall = time.monotonic(), time.time()
         nemesis.injections.append(injection)
 
+    async def _supervisor_fault(self, slot: _Slot, fault: Fault) -> str:
+        """``SIGSTOP`` (then ``SIGCONT``) or ``SIGKILL`` of a machine's ``asynclock run``
+        alone, its command running on; the injection's outcome."""
+        pid = slot.supervisor
+        if not pid:
+            return "skipped: no asynclock run running"
+        stop = fault.kind is FaultKind.SUPERVISOR_STOP
+        try:
+            os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
+        except ProcessLookupError:
+            return "skipped: asynclock run exited"
+        if stop:
+            try:
+                await asyncio.sleep(fault.duration)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        return "done"
+
     async def _nemesis(self, nemesis: Nemesis, t0: float) -> None:
         until = t0 + self.config.seconds
         for fault in self.config.schedule():
             await asyncio.sleep(max(0.0, t0 + fault.at - time.monotonic()))
             if time.monotonic() >= until:
                 return
-            if fault.kind in (FaultKind.RUNNER_KILL, FaultKind.RUNNER_STOP):
+            if fault.kind in (FaultKind.RUNNER_KILL, FaultKind.RUNNER_STOP, *_SUPERVISOR_FAULTS):
                 await self._inject(nemesis, Injection(fault))
             else:
                 await nemesis.inject(fault)

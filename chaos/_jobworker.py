@@ -24,7 +24,9 @@ dies with the parent (``PR_SET_PDEATHSIG``).
   ``every()`` set on its client in the same task (a ``Redis`` subclass keeps it).
 - ``run``: a machine: a loop running ``python -m asynclock run NAME -- python -c
   COMMAND``, like a crontab entry, whose command records its own start, heartbeats every
-  40 ms and end; a share of the commands ignore ``SIGTERM``.
+  40 ms and end; a share of the commands ignore ``SIGTERM``. It tells the parent the pid
+  of ``asynclock run`` while one runs (``supervisor``, 0 once it exited), which
+  ``supervisor_stop`` and ``supervisor_kill`` aim at.
 
 ``sabotage`` (the negative controls): ``fenced`` jobs ignore their lease's loss and write
 their effect without the fence or a look; ``every`` is replaced by the old recipe (a
@@ -343,7 +345,11 @@ class _Process:
                 child = await asyncio.create_subprocess_exec(
                     *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
                 )
-                status = await child.wait()
+                self.report("supervisor", pid=child.pid)  # (supervisor_stop, _kill aim here)
+                try:
+                    status = await child.wait()
+                finally:
+                    self.report("supervisor", pid=0)
             finally:
                 self.ended()
             self.records("exit", id=cid, who=config.name, status=status, launched=launched)

@@ -147,6 +147,8 @@ class FaultKind(enum.StrEnum):
     MIGRATE = "migrate"
     RUNNER_KILL = "runner_kill"
     RUNNER_STOP = "runner_stop"
+    SUPERVISOR_STOP = "supervisor_stop"
+    SUPERVISOR_KILL = "supervisor_kill"
 
     def __str__(self) -> str:
         return self.value
@@ -212,12 +214,17 @@ JOB_KINDS: Final[dict[str, tuple[FaultKind, ...]]] = {
         FaultKind.DELAY,
         FaultKind.RESTART,
         FaultKind.RUNNER_STOP,
+        FaultKind.SUPERVISOR_STOP,
+        FaultKind.SUPERVISOR_KILL,
+        FaultKind.SUPERVISOR_STOP,
     ),
 }
 """The kinds of the job sub-modes (``chaos._jobs``), whose processes the nemesis also
 kills (``runner_kill``: ``SIGKILL`` of a process running a job, restarted at once) and
 stops (``runner_stop``: ``SIGSTOP`` of its process group, the command of ``asynclock
-run`` with it, for 2.5-6 TTLs: sometimes past a period of ``--jobs every``); a kind
+run`` with it, for 2.5-6 TTLs: sometimes past a period of ``--jobs every``); in ``run``,
+also the ``asynclock run`` process alone, its command running on (``supervisor_stop``:
+``SIGSTOP`` for 2.5-6 TTLs, then ``SIGCONT``; ``supervisor_kill``: ``SIGKILL``); a kind
 listed twice comes twice as often."""
 
 SERVER_FAULTS: Final = frozenset(
@@ -236,7 +243,14 @@ NETWORK: Final = frozenset({FaultKind.DELAY, FaultKind.BLACKHOLE, FaultKind.RESE
 """Faults of the proxies, which hit every worker or one holder (see ``Fault.scope``)."""
 
 _PICKED: Final = frozenset(
-    {FaultKind.HOLDER_STOP, FaultKind.WAITER_STOP, FaultKind.RUNNER_KILL, FaultKind.RUNNER_STOP}
+    {
+        FaultKind.HOLDER_STOP,
+        FaultKind.WAITER_STOP,
+        FaultKind.RUNNER_KILL,
+        FaultKind.RUNNER_STOP,
+        FaultKind.SUPERVISOR_STOP,
+        FaultKind.SUPERVISOR_KILL,
+    }
 )  # (kinds aimed at a process chosen by ``pick``)
 _WARMUP: Final = 2.0  # TTLs before the first fault
 _COOLDOWN: Final = 1.5  # TTLs of calm after the last fault ends
@@ -369,7 +383,7 @@ def _draw(rng: random.Random, index: int, at: float, kind: FaultKind, ttl: float
         amount = rng.uniform(0.0, 0.75) * ttl
     elif kind is FaultKind.HOLDER_STOP:
         duration = _HOLDER_STOP * ttl
-    elif kind is FaultKind.RUNNER_STOP:
+    elif kind in (FaultKind.RUNNER_STOP, FaultKind.SUPERVISOR_STOP):
         duration = rng.uniform(*_RUNNER_STOP) * ttl
     elif kind is FaultKind.WAITER_STOP:
         duration = max(_HOLDER_STOP * ttl, WAITER_STOP_SECONDS)
