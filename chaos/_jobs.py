@@ -61,6 +61,7 @@ _READY: Final = 30.0  # seconds for a worker to start
 _STOP_GRACE: Final = 10.0  # seconds (plus 4 TTLs) for the workers to stop when told
 _BUSY_WAIT: Final = 1.0  # TTLs runner_kill/runner_stop wait for a busy process
 _SUPERVISOR_FAULTS: Final = (FaultKind.SUPERVISOR_STOP, FaultKind.SUPERVISOR_KILL)
+_SUPERVISOR_WAIT: Final = 4.0  # TTLs they wait for an asynclock run whose command runs
 _WORKER_CODE: Final = "import sys; from chaos._jobworker import main; sys.exit(main())"
 _ROOT: Final = str(Path(__file__).resolve().parents[1])
 
@@ -173,19 +174,26 @@ class _JobRun:
     def _targets(self, busy_only: bool) -> list[Target]:
         return [Target(s.name, s.proc.pid, s.index) for s in self.slots if s.busy or not busy_only]
 
-    async def _runner(self, pick: float, supervising: bool = False) -> _Slot:
-        """A slot running a job (waits up to a TTL for one; else any), chosen by ``pick``;
-        ``supervising``: one whose ``asynclock run`` runs (else any, for a skip)."""
-
-        def ready(slot: _Slot) -> bool:
-            return bool(slot.supervisor if supervising else slot.busy)
-
+    async def _runner(self, pick: float) -> _Slot:
+        """A slot running a job (waits up to a TTL for one; else any), chosen by ``pick``."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_BUSY_WAIT * self.config.ttl):
-                while not any(ready(s) for s in self.slots):
+                while not any(s.busy for s in self.slots):
                     self.busy_changed.clear()
                     await self.busy_changed.wait()
-        among = [s for s in self.slots if ready(s)] or self.slots
+        among = [s for s in self.slots if s.busy] or self.slots
+        return among[min(int(pick * len(among)), len(among) - 1)]
+
+    async def _supervisor(self, pick: float) -> _Slot:
+        """A slot whose ``asynclock run`` has its command running (it has children), polled
+        every 20 ms for up to ``_SUPERVISOR_WAIT`` TTLs; else any. Chosen by ``pick``."""
+        until = time.monotonic() + _SUPERVISOR_WAIT * self.config.ttl
+        while True:
+            among = [s for s in self.slots if s.supervisor and _has_children(s.supervisor)]
+            if among or time.monotonic() >= until:
+                break
+            await asyncio.sleep(0.02)
+        among = among or self.slots
         return among[min(int(pick * len(among)), len(among) - 1)]
 
     def _signal(self, slot: _Slot, signum: int) -> None:
@@ -200,7 +208,8 @@ class _JobRun:
         fault = injection.fault
         injection.start, injection.start_wall = time.monotonic(), time.time()
         supervising = fault.kind in _SUPERVISOR_FAULTS
-        slot = await self._runner(fault.pick, supervising)
+        pick = self._supervisor if supervising else self._runner
+        slot = await pick(fault.pick)
         injection.target = slot.name
         injection.start = time.monotonic()
         try:
@@ -337,6 +346,15 @@ class _JobRun:
         else:
             own = _run_figures(records, hits, self.config.ttl)
         return _summary(self.config, own, injections, self.died, self.slots)
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` has children now: an ``asynclock run`` whose command (and
+    reaper) runs, not one about to exit busy. True where Linux cannot say."""
+    try:
+        return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    except OSError:  # the process is gone, or this kernel keeps no ``children`` file
+        return Path(f"/proc/{pid}").exists()
 
 
 def _hit(injection: Injection) -> check.Hit:
@@ -516,7 +534,7 @@ def _run_figures(records: list[dict[str, Any]], hits: list[check.Hit], ttl: floa
     )
     figures.lines += [
         f"  asynclock run        {len(exits)} launched; exit status {_listing(statuses)} "
-        "(3: busy, 75: lease lost, 69: Redis unreachable)",
+        "(3: busy, 75: lease lost, 69: Redis unreachable, -9: killed by the nemesis)",
         f"  commands             {len(runs)} started, {len(ended)} ended by themselves, "
         f"stopped: {_listing(stopped)}",
     ]
