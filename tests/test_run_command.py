@@ -16,6 +16,7 @@ import pytest
 from helpers import SECRET, urls_with_a_secret
 from redis import Redis as SyncRedis
 
+from asynclock._apps._runner import RunConfig, run_command
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer, ServerInfo
 
 EXIT_LOST = 75
@@ -483,3 +484,34 @@ def test_a_command_outliving_the_ttl_runs_to_its_end(redis_server: ServerInfo, p
     assert code == 5, err
     assert "reaper" not in err, err
     assert "sent SIG" not in err, err
+
+
+async def test_a_cancelled_run_stops_its_command_and_its_reaper(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """``run_command()`` cancelled (in-process): the command, which ignores SIGTERM, is
+    killed after the grace, the reaper is told and exits, and no process is left."""
+    pid_file, log = tmp_path / "pid", tmp_path / "log"
+    config = RunConfig(
+        name=f"{prefix}cancelled",
+        command=[sys.executable, "-c", _STUBBORN_PID, str(pid_file), str(log)],
+        url=redis_server.url,
+        ttl=5.0,
+        grace=0.3,
+    )
+    before = set(_children(os.getpid()))
+    task = asyncio.create_task(run_command(config))
+    pid = int(await asyncio.to_thread(_wait_for, pid_file))
+    await asyncio.to_thread(
+        _poll, lambda: len(set(_children(os.getpid())) - before) == 2, 10
+    )  # (the command and its reaper)
+    reaper = (set(_children(os.getpid())) - before - {pid}).pop()
+    task.cancel()
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        _kill_if_running(pid, reaper)
+    assert not _running(pid)
+    assert not _running(reaper)

@@ -143,8 +143,11 @@ async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> 
     loop = asyncio.get_running_loop()
     forwarded = _forward_signals(loop, child)
     exited = asyncio.ensure_future(child.wait())
-    reaper = await _start_reaper(config, held, child)
+    reaper: Reaper | None = None
     try:
+        # (shielded: a cancellation meanwhile lands in _watch, which stops the child first)
+        with anyio.CancelScope(shield=True):
+            reaper = await _start_reaper(config, held, child)
         return await _watch(config, held, changed, child, exited, reaper)
     finally:
         for signum in forwarded:
