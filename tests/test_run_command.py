@@ -515,3 +515,44 @@ async def test_a_cancelled_run_stops_its_command_and_its_reaper(
         _kill_if_running(pid, reaper)
     assert not _running(pid)
     assert not _running(reaper)
+
+
+# A supervisor that starts its reaper (deadline in 1.5 s, grace 0.3 s) and a command
+# ignoring SIGTERM (argv[1:]), then stops itself before telling the reaper the pid.
+_STOPPED_BEFORE_THE_PID = """
+import asyncio, os, signal, subprocess, sys
+from asynclock._apps._reaper import Reaper
+
+async def main():
+    reaper = await Reaper.start(0.3, asyncio.get_running_loop().time() + 1.5)
+    subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], stderr=subprocess.DEVNULL)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+asyncio.run(main())
+"""
+
+
+def test_a_supervisor_stopped_before_telling_the_pid_still_has_its_command_stopped(
+    tmp_path: Path,
+) -> None:
+    """The supervisor stopped between its command's start and the ``pid`` line (the
+    window the chaos run found): at the deadline the reaper takes the supervisor's child
+    and kills it, then exits with it."""
+    pid_file = tmp_path / "pid"
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_BEFORE_THE_PID, _STUBBORN_PID, str(pid_file),
+         str(tmp_path / "log")],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pid = int(_wait_for(pid_file))
+    seen = time.monotonic()  # (the deadline was set before the command started)
+    try:
+        (reaper,) = set(_children(supervisor.pid)) - {pid}
+        _poll(lambda: not _running(pid), 10)
+        assert time.monotonic() - seen < 1.5
+        _poll(lambda: not _running(reaper), 5)
+    finally:
+        _kill_if_running(pid)
+        supervisor.send_signal(signal.SIGCONT)
+        _, err = supervisor.communicate(timeout=10)
+    assert "sent SIGKILL to the command" in err, err

@@ -132,38 +132,41 @@ async def run_command(config: RunConfig) -> int:
 
 
 async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> int:
-    """Start the child and its reaper and wait for the child, returning as soon as it
+    """Start the reaper, then the child, and wait for the child, returning as soon as it
     exits; once renewals fail, stop it at once, so that it is gone before the lease's
     safe deadline."""
+    reaper = await _start_reaper(config, held)
+    exited: asyncio.Future[int] | None = None
     try:
-        child = await asyncio.create_subprocess_exec(*config.command, env=command_environment(held))
-    except OSError as exc:
-        _say(f"cannot run {config.command[0]!r}: {exc}")
-        return 127 if isinstance(exc, FileNotFoundError) else 126
-    loop = asyncio.get_running_loop()
-    forwarded = _forward_signals(loop, child)
-    exited = asyncio.ensure_future(child.wait())
-    reaper: Reaper | None = None
-    try:
-        # (shielded: a cancellation meanwhile lands in _watch, which stops the child first)
-        with anyio.CancelScope(shield=True):
-            reaper = await _start_reaper(config, held, child)
-        return await _watch(config, held, changed, child, exited, reaper)
+        try:
+            child = await asyncio.create_subprocess_exec(
+                *config.command, env=command_environment(held)
+            )
+        except OSError as exc:
+            _say(f"cannot run {config.command[0]!r}: {exc}")
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        if reaper is not None:
+            reaper.watch(child.pid)
+        exited = asyncio.ensure_future(child.wait())
+        loop = asyncio.get_running_loop()
+        forwarded = _forward_signals(loop, child)
+        try:
+            return await _watch(config, held, changed, child, exited, reaper)
+        finally:
+            for signum in forwarded:
+                loop.remove_signal_handler(signum)
     finally:
-        for signum in forwarded:
-            loop.remove_signal_handler(signum)
         if reaper is not None:
             with anyio.CancelScope(shield=True):
-                await reaper.close(command_exited=exited.done())
+                await reaper.close(command_exited=exited is None or exited.done())
 
 
-async def _start_reaper(
-    config: RunConfig, held: Lease, child: asyncio.subprocess.Process
-) -> Reaper | None:
-    """The child's dead man's switch (None if it has exited, or cannot be had: said)."""
+async def _start_reaper(config: RunConfig, held: Lease) -> Reaper | None:
+    """The command's dead man's switch, started before it (None if it cannot be had:
+    said; the command then runs without it)."""
     try:
-        return await Reaper.start(child.pid, config.kill_grace, held.safe_until)
-    except (OSError, AttributeError) as exc:  # (AttributeError: no os.pidfd_open here)
+        return await Reaper.start(config.kill_grace, held.safe_until)
+    except OSError as exc:
         _say(f"cannot start the reaper, the command runs without it: {exc}")
         return None
 
