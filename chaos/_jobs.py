@@ -185,8 +185,9 @@ class _JobRun:
         return among[min(int(pick * len(among)), len(among) - 1)]
 
     async def _supervisor(self, pick: float) -> _Slot:
-        """A slot whose ``asynclock run`` has its command running (it has children), polled
-        every 20 ms for up to ``_SUPERVISOR_WAIT`` TTLs; else any. Chosen by ``pick``."""
+        """A slot whose ``asynclock run`` has children (its reaper, its command: often
+        struck as they start), polled every 20 ms for up to ``_SUPERVISOR_WAIT`` TTLs;
+        else any. Chosen by ``pick``."""
         until = time.monotonic() + _SUPERVISOR_WAIT * self.config.ttl
         while True:
             among = [s for s in self.slots if s.supervisor and _has_children(s.supervisor)]
@@ -349,8 +350,8 @@ class _JobRun:
 
 
 def _has_children(pid: int) -> bool:
-    """Whether process ``pid`` has children now: an ``asynclock run`` whose command (and
-    reaper) runs, not one about to exit busy. True where Linux cannot say."""
+    """Whether process ``pid`` has children now: an ``asynclock run`` that got the lease
+    (its reaper, then its command, run), not one about to exit busy."""
     try:
         return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
     except OSError:  # the process is gone, or this kernel keeps no ``children`` file
