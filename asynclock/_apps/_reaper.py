@@ -85,6 +85,7 @@ class Reaper:
         self._process = process
         self._grace = grace
         self._deadline = -math.inf  # (the last deadline told, time.monotonic() seconds)
+        self._fired = False  # (a SIGTERM came due before a later deadline was told)
 
     @classmethod
     async def start(cls, grace: float, deadline: float) -> Reaper:
@@ -140,12 +141,18 @@ class Reaper:
         the lease's ``safe_until``), if that is later than the last deadline told."""
         deadline += time.monotonic() - asyncio.get_running_loop().time()
         if deadline > self._deadline:
+            self._fired = self.fired()  # (a renewal confirmed late: it may have fired)
             self._deadline = deadline
             self._tell(f"{deadline!r}\n".encode())
 
     def fired(self) -> bool:
-        """Whether the reaper's ``SIGTERM`` is due by now (the lease ran out unrenewed)."""
-        return time.monotonic() >= signal_times(self._deadline, self._grace)[0]
+        """Whether the reaper's ``SIGTERM`` has come due (the lease came within the grace
+        of its deadline unrenewed), by now or before a later deadline was told."""
+        due = (
+            self._deadline > -math.inf
+            and time.monotonic() >= signal_times(self._deadline, self._grace)[0]
+        )
+        return self._fired or due
 
     async def close(self, command_exited: bool) -> None:
         """End the reaper: ``done`` if the command has exited (or never started), else

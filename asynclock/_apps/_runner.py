@@ -204,7 +204,10 @@ async def _watch(
             finally:
                 notice.cancel()
         if exited.result() < 0 and reaper is not None and reaper.fired():
-            _say(f"the lease {config.name!r} ran out unrenewed; the reaper stopped the command")
+            _say(
+                f"the lease {config.name!r} came within --grace of its deadline unrenewed; "
+                "the reaper stopped the command"
+            )
             return EXIT_LOST
         return _status(exited.result())
     except asyncio.CancelledError:
