@@ -18,7 +18,7 @@ from typing import Any, Final, cast
 from .._base._options import Client, LeaseOptions, is_cluster
 from .._redis._cluster import node_client, primary_clients
 from .._redis._scripts import Script
-from ._statistics import statistics
+from ._statistics import LockStatistics, statistics
 
 __all__ = ["LockInfo", "force_release", "inspect", "list_locks"]
 
@@ -112,27 +112,11 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
     }
     permits = [(replies[i], int(replies[i + 1])) for i in range(start, len(replies), 2)]
     held_permits = [(v, p) for v, p in permits if v is not None]
-    fencing_token = holder = None
+    holder, fencing_token = _exclusive_holder(value)
     time_left = stats.time_left
-    text = _text(value) if value is not None else None
-    if text is not None and text != "shared":
-        token, _, rest = text.partition(":")
-        holder = token[:8]
-        fence = rest.partition(":")[0]
-        fencing_token = int(fence) if fence.isdigit() else None
     if held_permits:
-        tokens = [_text(v).split(":")[1] for v, _ in held_permits]
-        fencing_token = max(int(t) for t in tokens if t.isdigit())
-        live = [p for _, p in held_permits if p >= 0]
-        time_left = min(live) / 1000 if live else None
-    if stats.exclusive:
-        kind = "mutex"
-    elif stats.shared_holders:
-        kind = "shared"
-    elif stats.permits_in_use:
-        kind = "semaphore"
-    else:
-        kind = "free"
+        fencing_token, time_left = _permit_holders(held_permits)
+    kind = _kind(stats)
     return LockInfo(
         name=name,
         held=kind != "free",
@@ -149,6 +133,37 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
         last_fencing_token=int(_text(last)) if last is not None else None,
         retention=retention,
     )
+
+
+def _exclusive_holder(value: object) -> tuple[str | None, int | None]:
+    """The holder (its token's first 8 hex digits) and fencing token that the lock's key
+    holds, ``<token>:<fencing token>[:...]``; (None, None) for none (or ``shared``)."""
+    if value is None:
+        return None, None
+    text = _text(value)
+    if text == "shared":
+        return None, None
+    token, _, rest = text.partition(":")
+    fence = rest.partition(":")[0]
+    return token[:8], int(fence) if fence.isdigit() else None
+
+
+def _permit_holders(held: list[tuple[object, int]]) -> tuple[int | None, float | None]:
+    """The highest fencing token of the permits ``held`` (value, pttl in ms), and the
+    seconds left of the one that expires first (None: none expires)."""
+    tokens = [_text(value).split(":")[1] for value, _ in held]
+    fencing_token = max((int(t) for t in tokens if t.isdigit()), default=None)
+    live = [pttl for _, pttl in held if pttl >= 0]
+    return fencing_token, min(live) / 1000 if live else None
+
+
+def _kind(stats: LockStatistics) -> str:
+    """``mutex``, ``shared``, ``semaphore`` or ``free``, by what holds the lock now."""
+    if stats.exclusive:
+        return "mutex"
+    if stats.shared_holders:
+        return "shared"
+    return "semaphore" if stats.permits_in_use else "free"
 
 
 # The suffixes of a lock's auxiliary keys after ``<prefix>{name}:`` (``once``'s result
