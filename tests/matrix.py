@@ -216,6 +216,8 @@ def run_leg(leg: Leg, pytest_args: list[str]) -> Outcome:
             "no:cacheprovider",
             "-k",
             "not valkey",
+            "-m",
+            "not slow",  # (the chaos checks' negative controls: the main run has them)
             *CONTRACT,
             *leg.extra,
             *pytest_args,
