@@ -78,6 +78,7 @@ __all__ = ["ChaosConfig", "run_chaos"]
 _READY_TIMEOUT: Final = 30.0  # seconds for every worker to start and report ready
 _STOP_GRACE: Final = 10.0  # seconds (plus 4 TTLs) for the workers to stop when told
 _NEMESIS_GRACE: Final = 15.0  # seconds for the fault in progress to end after the run
+_TTL_MARGIN: Final = 0.3  # seconds past a TTL for a key to have surely expired
 _PROGRESS_EVERY: Final = 60.0  # seconds between progress lines (runs of 2 minutes or more)
 _WORKER_CODE: Final = "import sys; from chaos._worker import main; sys.exit(main(sys.argv[1:]))"
 _ROOT: Final = str(Path(__file__).resolve().parents[1])  # workers import this very asynclock
@@ -300,6 +301,8 @@ class _Run:
         self.rounds: list[RoundReport] = []
         self.schedule = config.schedule()
         self.nemesis: Nemesis | None = None
+        self.keys_expired = 0
+        """Redlock mode: keys found at the exit that expired by their TTL (_keys_left)."""
 
     def holders(self) -> list[Target]:
         """The workers of which a contender holds a lock now (by their last reports)."""
@@ -573,6 +576,7 @@ class _Run:
                 fenced_violations=tuple(check_fenced_writes(store)),
                 counters=counters,
                 keys_left=tuple(keys),
+                keys_expired=self.keys_expired,
                 wall_seconds=time.monotonic() - started,
                 replay=config.replay(),
                 limit=config.limit,
@@ -606,6 +610,19 @@ class _Run:
                 file.write(json.dumps(dataclasses.asdict(report)) + "\n")
 
     async def _keys_left(self) -> list[str]:
+        """The lease keys left once every worker exited. In the Redlock mode, those found
+        are looked at again a TTL later: an attempt answered after its round is given
+        back in the background (see ``asynclock._lifecycle._redlock``), and a worker told
+        to stop meanwhile leaves its key to the TTL (counted in ``keys_expired``)."""
+        keys = await self._keys_now()
+        if keys and self.config.redlock:
+            await asyncio.sleep(self.config.ttl + _TTL_MARGIN)
+            left = await self._keys_now()
+            self.keys_expired = len(set(keys) - set(left))
+            keys = left
+        return keys
+
+    async def _keys_now(self) -> list[str]:
         if self.cluster is not None:
             return await self.cluster.keys_left()
         server = self.replication.primary if self.replication is not None else self.server

@@ -288,6 +288,10 @@ class RunRecord:
     cluster: bool = False
     """The cluster mode: a Redis Cluster whose slots migrate and whose primaries die
     (see ``chaos._cluster``)."""
+    keys_expired: int = 0
+    """The Redlock mode: keys found when the workers had exited that expired by their TTL
+    before a second look (late attempts are given back in the background: a worker that
+    exits meanwhile leaves them to their TTL, as Redlock's design note says)."""
 
     @property
     def mode(self) -> str:
@@ -851,6 +855,7 @@ def summarize(record: RunRecord) -> Summary:
         "counters": counters,
         "counter_mismatches": mismatches,
         "keys_left": list(record.keys_left),
+        "keys_expired": record.keys_expired,
         "workers_died": [o.name for o in died],
         "warnings": dict(sorted(warnings.items())),
         "detection_latency": {kind: _stats_ms(values) for kind, values in latency.items()},
@@ -955,6 +960,11 @@ def _by_failover(
 
 def _start(window: DataLoss) -> float:
     return window.start
+
+
+def _expired_text(expired: int) -> str:
+    """What the keys-left line adds for keys that expired by their TTL after the exit."""
+    return f" ({expired} more expired by their TTL after the workers exited)" if expired else ""
 
 
 def _latency_text(stats: Mapping[str, Any]) -> str:
@@ -1118,7 +1128,9 @@ def _render(
         f"refused, {fenced['stale_accepted']} stale accepted" + must(fenced["stale_accepted"]),
         f"  counters exact       {counter_text}; {data['counter_mismatches']} mismatches"
         + must(data["counter_mismatches"]),
-        f"  keys left behind     {len(data['keys_left'])}" + must(len(data["keys_left"])),
+        f"  keys left behind     {len(data['keys_left'])}"
+        + must(len(data["keys_left"]))
+        + _expired_text(data.get("keys_expired", 0)),
         f"  workers died         {len(data['workers_died'])}" + must(len(data["workers_died"])),
         f"  unexpected errors    {data['unexpected_errors']}" + must(data["unexpected_errors"]),
         f"  detection latency    deadline -> body stopped: {_latency_text(latency['deadline'])}",

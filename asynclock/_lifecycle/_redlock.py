@@ -37,7 +37,7 @@ from redis.asyncio import Redis
 from .._base._events import EventHook, LeaseEvent, LeaseEventKind, alone, emit
 from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
-from .._base._shield import ExcType, Traceback
+from .._base._shield import ExcType, Traceback, finish
 from .._session._connections import HoldEntry, companion_for
 from ._lease import LeaseState, Tenure
 from ._take import take
@@ -384,7 +384,10 @@ async def _take_all(
     """One attempt on every server at once, for at most ``limit`` seconds: the leases
     taken (started, each reporting its losses to ``lock``) and the errors raised. An
     attempt still running at the limit is cancelled (which undoes it); one that took
-    the lock all the same is given back when it ends."""
+    the lock all the same is given back when it ends, in the background. If the caller
+    is cancelled, every attempt is cancelled and waited for, and every lease taken
+    given back, before the cancellation propagates (shielded; each undo and release is
+    bounded by ``release_timeout``): nothing is left on any server."""
     tasks = [
         asyncio.ensure_future(take(server, o, alone(lock._on_event)))
         for server, o in zip(servers, options, strict=True)
@@ -392,9 +395,8 @@ async def _take_all(
     try:
         await asyncio.wait(tasks, timeout=limit)
     except BaseException:
-        for task in tasks:
-            task.add_done_callback(_give_back_late)
-            task.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await finish(_settle(tasks), 2 * options[0].release_timeout)
         raise
     leases: list[Tenure] = []
     errors: list[BaseException] = []
@@ -411,6 +413,18 @@ async def _take_all(
         elif not isinstance(error, LockBusy):
             errors.append(error)
     return leases, errors
+
+
+async def _settle(tasks: Sequence[asyncio.Future[Tenure]]) -> None:
+    """Cancel the attempts still running, wait for every one to end (a cancelled
+    attempt undoes itself), and give back the leases they took."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
+    taken = [task.result() for task in tasks if not task.cancelled() and not task.exception()]
+    for lease in taken:
+        lease.start(None)
+    await _release_all(taken)
 
 
 _LATE: set[asyncio.Task[None]] = set()
