@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -257,11 +257,6 @@ class LeaseOptions:
         expires; see ``SEMAPHORE_ACQUIRE``)."""
         return self.base_key + ":permits"
 
-    def permit_keys(self) -> list[str]:
-        """A semaphore's ``limit`` permit keys, in slot order."""
-        base = self.base_key
-        return [f"{base}:permit:{slot}" for slot in range(self.limit)]
-
     @property
     def readers_key(self) -> str:
         """The sorted set of a lock's shared holders (token -> until, server ms)."""
@@ -417,53 +412,32 @@ def _check_name(name: object) -> str:
 
 
 def _checked(given: Mapping[str, object]) -> dict[str, Any]:
-    """Every option of ``given`` (all of ``KEYWORDS``) checked and converted (seconds as
-    floats, 0 for an option not given), and every rule about combining them: the one
-    place they are written."""
-    values: dict[str, Any] = {}
-    values.update(_times(given))
-    values.update(_kind(given, values["hold_at_least"]))
-    prefix = given["prefix"]
-    if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
-    if "{" in prefix or "}" in prefix:
-        raise ValueError("prefix must not contain '{' or '}' (the name is the hash tag)")
-    values["prefix"] = prefix
-    return values
-
-
-def _times(given: Mapping[str, object]) -> dict[str, Any]:
-    """The timing options: ttl, fence_ttl, blocking (with blocking_timeout),
-    release_timeout, hold_at_least and max_hold."""
-    ttl = _duration("ttl", given["ttl"])
-    fence = 0.0
-    if given["fence_ttl"] is not None:
-        fence = _duration("fence_ttl", given["fence_ttl"])
-        if fence < ttl:
-            raise ValueError(
-                f"fence_ttl must be at least ttl ({ttl:g}s): the fencing counter must "
-                f"outlive the lease, got {given['fence_ttl']!r}"
-            )
-    blocking = given["blocking"]
-    if not isinstance(blocking, bool):
-        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
-    wait = _optional_timeout("blocking_timeout", given["blocking_timeout"])
-    if wait is not None and not blocking:
+    """Every option of ``given`` (all of ``KEYWORDS``) checked and converted by its entry
+    of ``_CHECKS`` (seconds as floats, 0 for an option not given), then every rule about
+    combining them: the one place they are written."""
+    values = {argument: check(argument, given[argument]) for argument, check in _CHECKS.items()}
+    ttl, fence = values["ttl"], values["fence_ttl"]
+    if fence and fence < ttl:
+        raise ValueError(
+            f"fence_ttl must be at least ttl ({ttl:g}s): the fencing counter must "
+            f"outlive the lease, got {given['fence_ttl']!r}"
+        )
+    if values["blocking_timeout"] is not None and not values["blocking"]:
         raise ValueError("blocking_timeout can only be given with blocking=True")
-    release = _positive("release_timeout", given["release_timeout"])
-    hold = _longest("hold_at_least", given["hold_at_least"])
-    most = _longest("max_hold", given["max_hold"])
+    hold, most = values["hold_at_least"], values["max_hold"]
     if most and most < hold:
         raise ValueError(f"max_hold ({most:g}s) must not be shorter than hold_at_least ({hold:g}s)")
-    return {
-        "ttl": ttl,
-        "fence_ttl": fence,
-        "blocking": blocking,
-        "blocking_timeout": wait,
-        "release_timeout": release,
-        "hold_at_least": hold,
-        "max_hold": most,
-    }
+    limit = values["limit"]
+    if values["fair"] and limit > 1:
+        raise ValueError("fair=True is for a plain lock: it cannot be given with limit")
+    if values["shared"] and (limit > 1 or values["fair"] or hold):
+        raise ValueError(
+            "shared=True cannot be given with limit, fair or hold_at_least (a shared "
+            "lease is one of many readers of a plain lock)"
+        )
+    if values["wait_aof"] and not values["min_replicas"]:
+        raise ValueError("wait_aof=True needs min_replicas (the replicas that must confirm)")
+    return values
 
 
 def _longest(argument: str, value: object) -> float:
@@ -476,44 +450,49 @@ def _longest(argument: str, value: object) -> float:
     return seconds
 
 
-def _kind(given: Mapping[str, object], hold: float) -> dict[str, Any]:
-    """The kind of lock (limit, fair, shared) and its replication (min_replicas,
-    wait_aof), with the rules of their combinations."""
-    limit = _integer("limit", given["limit"], 1, MAX_LIMIT)
-    fair = _flag("fair", given["fair"])
-    if fair and limit > 1:
-        raise ValueError("fair=True is for a plain lock: it cannot be given with limit")
-    shared = _flag("shared", given["shared"])
-    if shared and (limit > 1 or fair or hold):
-        raise ValueError(
-            "shared=True cannot be given with limit, fair or hold_at_least (a shared "
-            "lease is one of many readers of a plain lock)"
-        )
-    replicas = _integer("min_replicas", given["min_replicas"], 0, MAX_REPLICAS)
-    wait_aof = _flag("wait_aof", given["wait_aof"])
-    if wait_aof and not replicas:
-        raise ValueError("wait_aof=True needs min_replicas (the replicas that must confirm)")
-    return {
-        "limit": limit,
-        "fair": fair,
-        "shared": shared,
-        "min_replicas": replicas,
-        "wait_aof": wait_aof,
-    }
+def _integer(least: int, most: int) -> Callable[[str, object], int]:
+    """The check of an int option between ``least`` and ``most``."""
 
+    def check(argument: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{argument} must be an int, not {type(value).__name__}")
+        if not least <= value <= most:
+            raise ValueError(f"{argument} must be between {least} and {most}, got {value!r}")
+        return value
 
-def _integer(argument: str, value: object, least: int, most: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{argument} must be an int, not {type(value).__name__}")
-    if not least <= value <= most:
-        raise ValueError(f"{argument} must be between {least} and {most}, got {value!r}")
-    return value
+    return check
 
 
 def _flag(argument: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{argument} must be a bool, not {type(value).__name__}")
     return value
+
+
+def _prefix(argument: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str, not {type(value).__name__}")
+    if "{" in value or "}" in value:
+        raise ValueError(f"{argument} must not contain '{{' or '}}' (the name is the hash tag)")
+    return value
+
+
+_CHECKS: Final[Mapping[str, Callable[[str, object], Any]]] = {
+    "ttl": _duration,
+    "fence_ttl": lambda argument, value: 0.0 if value is None else _duration(argument, value),
+    "blocking": _flag,
+    "blocking_timeout": _optional_timeout,
+    "release_timeout": _positive,
+    "hold_at_least": _longest,
+    "max_hold": _longest,
+    "limit": _integer(1, MAX_LIMIT),
+    "fair": _flag,
+    "shared": _flag,
+    "min_replicas": _integer(0, MAX_REPLICAS),
+    "wait_aof": _flag,
+    "prefix": _prefix,
+}
+"""How each option of ``KEYWORDS`` is checked and converted, given its name and value."""
 
 
 def replicas_confirmed(reply: object) -> int:

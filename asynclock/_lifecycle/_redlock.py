@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import anyio
 from redis.asyncio import Redis
 
-from .._base._events import EventHook, LeaseEvent, LeaseEventKind, alone, emit
+from .._base._events import EventHook, LeaseEvent, LeaseEventKind, alone, report
 from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
 from .._base._shield import ExcType, Traceback, finish
@@ -210,10 +210,8 @@ class RedlockLease:
         to it alone), unless it was lost."""
         if self._lost is None:
             now = self._loop.time()
-            held = now - self._acquired_at
-            released = LeaseEventKind.RELEASED
-            token = self.fencing_token
-            emit(self._hook, LeaseEvent(released, self._name, token, now, 0.0, "", held=held))
+            released, token = LeaseEventKind.RELEASED, self.fencing_token
+            report(self._hook, released, self._name, token, now, 0.0, held=now - self._acquired_at)
 
     def _holding(self) -> list[tuple[Tenure, HoldEntry]]:
         """Note, on every server's client, that the current task is in a block or guard
@@ -230,15 +228,8 @@ class RedlockLease:
             self._lost = LossReason(detail) if detail in _REASONS else LossReason.DEADLINE
             for scope in self._scopes:
                 scope.cancel()
-            loss = LeaseEvent(
-                LeaseEventKind.LOST,
-                self._name,
-                self.fencing_token,
-                event.at,
-                event.safe_until,
-                self._lost.value,
-            )
-            emit(self._hook, loss)
+            lost, token, at = LeaseEventKind.LOST, self.fencing_token, event.at
+            report(self._hook, lost, self._name, token, at, event.safe_until, self._lost.value)
 
     def __repr__(self) -> str:
         return (
@@ -343,17 +334,9 @@ async def acquire_redlock(
         if len(leases) >= quorum:
             lock._leases = leases
             if lock.safe_until - loop.time() >= first.ttl / 3:
-                now = loop.time()
-                lock._acquired_at = now
-                event = LeaseEvent(
-                    LeaseEventKind.ACQUIRED,
-                    first.name,
-                    lock.fencing_token,
-                    now,
-                    lock.safe_until,
-                    waited=now - t_call,
-                )
-                emit(hook, event)
+                now = lock._acquired_at = loop.time()
+                acquired, token = LeaseEventKind.ACQUIRED, lock.fencing_token
+                report(hook, acquired, first.name, token, now, lock.safe_until, waited=now - t_call)
                 return lock
         await _release_all(leases)
         if errors and len(errors) == len(servers):
@@ -374,8 +357,7 @@ _SHORTEST_ROUND = 0.05  # seconds: a round of attempts near the blocking_timeout
 def _report_failed(hook: EventHook | None, name: str, why: str, waited: float) -> None:
     """The ``acquire_failed`` event of the Redlock as a whole (``busy``, ``timeout``)."""
     now = asyncio.get_running_loop().time()
-    failed = LeaseEventKind.ACQUIRE_FAILED
-    emit(hook, LeaseEvent(failed, name, 0, now, 0.0, why, waited))
+    report(hook, LeaseEventKind.ACQUIRE_FAILED, name, 0, now, 0.0, why, waited)
 
 
 async def _take_all(
