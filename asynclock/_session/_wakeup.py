@@ -304,10 +304,7 @@ class WaitingRoom:
                 if len(stale) >= _STALE_CHANNELS:
                     self._subscribed -= stale
                     self._confirmed -= stale  # (not listening from now on)
-                    for old in stale:  # (one whose waiter left before it was confirmed)
-                        unconfirmed = self._pending.pop(old, None)
-                        if unconfirmed is not None and not unconfirmed.done():
-                            unconfirmed.set_result(False)
+                    self._unconfirm(stale)  # (one whose waiter left before it was confirmed)
                     await self._command(self._unsubscribe, self._both(stale))
                 self._subscribed.add(channel)
                 await self._command(self._subscribe, self._both((channel,)))
@@ -315,9 +312,7 @@ class WaitingRoom:
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
             log.debug("subscription to %s not confirmed: %r", channel, exc)
-            if self._pending.get(channel) is not None and not self._pending[channel].done():
-                # (the next subscribe sends it again, rather than waiting on this one)
-                self._pending.pop(channel).set_result(False)
+            self._unconfirm((channel,))  # (the next subscribe sends it again)
             return False
 
     async def _command(self, command: str, names: list[str]) -> None:
@@ -395,13 +390,7 @@ class WaitingRoom:
             except (RedisError, OSError) as exc:
                 log.debug("wake-up subscription broken: %r", exc)
                 self._healthy = False
-                self._acked.clear()
-                self._inflight.clear()
-                self._confirmed.clear()
-                for future in self._pending.values():
-                    if not future.done():
-                        future.set_result(False)
-                self._pending.clear()
+                self._unsubscribed()
                 self._wake_all()  # a release may have been missed: let every head try
                 with contextlib.suppress(Exception):
                     await self._connection.disconnect()
@@ -422,11 +411,22 @@ class WaitingRoom:
             for name in self._both((channel,)):
                 self._inflight.pop(name, None)
                 self._acked.discard(name)
-        for channel, future in list(self._pending.items()):
-            if channel not in self._confirmed:
-                del self._pending[channel]
-                if not future.done():
-                    future.set_result(False)
+        self._unconfirm([channel for channel in self._pending if channel not in self._confirmed])
+
+    def _unconfirm(self, channels: Iterable[str]) -> None:
+        """Tell whoever waits for the subscription of ``channels`` that it is not
+        confirmed (a later subscribe sends it again)."""
+        for channel in list(channels):
+            future = self._pending.pop(channel, None)
+            if future is not None and not future.done():
+                future.set_result(False)
+
+    def _unsubscribed(self) -> None:
+        """The subscription's connection broke or is closed: no channel is confirmed."""
+        self._unconfirm(self._pending)
+        self._acked.clear()
+        self._inflight.clear()
+        self._confirmed.clear()
 
     def _both(self, channels: Iterable[str]) -> list[str]:
         """The channels to subscribe to for locks' ``channels``: each, and our grants'."""
@@ -533,13 +533,7 @@ class WaitingRoom:
             return  # a waiter came while the background work ended: keep listening
         reader, self._reader = self._reader, None
         connection, self._connection = self._connection, None
-        for future in self._pending.values():  # (a background subscribe's, cancelled)
-            if not future.done():
-                future.set_result(False)
-        self._pending.clear()
-        self._acked.clear()
-        self._inflight.clear()
-        self._confirmed.clear()
+        self._unsubscribed()  # (a background subscribe's pending future, cancelled)
         self._subscribed.clear()
         for timer in self._deferred.values():
             timer.cancel()
