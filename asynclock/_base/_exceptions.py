@@ -62,6 +62,17 @@ class LossReason(enum.StrEnum):
 class LockError(Exception):
     """Base class of every error asynclock raises on purpose."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Unpickled without ``__init__`` (whose arguments differ per class): the message
+        # as it was, and the attributes, every one of them in ``__dict__``.
+        return (_unpickled, (type(self), self.args), self.__dict__)
+
+
+def _unpickled(cls: type[LockError], args: tuple[object, ...]) -> LockError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    return error
+
 
 class LockLost(LockError):
     """The lease was lost while it was held.
@@ -82,9 +93,6 @@ class LockLost(LockError):
             message += f" ({detail})"
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.reason, self.detail))
-
 
 class LockBusy(LockError):
     """A non-blocking acquire found the lock held by another lease (of another process,
@@ -99,9 +107,6 @@ class LockBusy(LockError):
             message += f" (its key expires in {pttl:.3f}s unless renewed)"
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.retry_after))
-
 
 class AcquireTimeout(LockError, TimeoutError):
     """A blocking acquire did not get the lock within ``blocking_timeout`` seconds."""
@@ -115,9 +120,6 @@ class AcquireTimeout(LockError, TimeoutError):
             message += f": {detail}"
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.timeout, self.detail))
-
 
 class IdempotencyConflict(LockError, ValueError):
     """``once()`` was called for a key whose job runs, or ran, with another fingerprint:
@@ -129,9 +131,6 @@ class IdempotencyConflict(LockError, ValueError):
             f"the job {key!r} runs, or ran, with another fingerprint: the same key was "
             "given for a different payload"
         )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key,))
 
 
 class ResultNotStored(LockError, TypeError):
@@ -151,9 +150,6 @@ class ResultNotStored(LockError, TypeError):
             "forget() deletes the marker"
         )
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.cause))
-
 
 class LimitConflict(LockError, ValueError):
     """``lease(redis, name, limit=N)`` found the semaphore ``name`` held with another
@@ -163,9 +159,6 @@ class LimitConflict(LockError, ValueError):
         self.name = name
         self.detail = detail
         super().__init__(f"the semaphore {name!r} is {detail}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.detail))
 
 
 class ReplicationTimeout(LockError, TimeoutError):
@@ -184,6 +177,3 @@ class ReplicationTimeout(LockError, TimeoutError):
         super().__init__(
             f"lock {name!r}: {wanted} replica(s) must confirm the lease within {timeout:g}s, {got}"
         )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.wanted, self.confirmed, self.timeout))
