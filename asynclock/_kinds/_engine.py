@@ -525,8 +525,6 @@ class _Acquisition:
                 request.script, companion.lane, companion.overflow, request.keys, request.args
             )
             await finish(work, bound)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:
             log.warning(
                 "could not undo an acquire attempt of %r that may have landed (%r); if it "

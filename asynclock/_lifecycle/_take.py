@@ -98,6 +98,8 @@ async def begin(
 _SLOT_TRIES = 5  # attempts after MOVED or an unreachable node (the map reloaded each time)
 _SLOT_PAUSE = 0.05  # seconds before the first retry that waits (doubled each)
 _SLOT_PAUSE_MOST = 0.5  # seconds: the longest pause between those retries
+_SLOT_ERRORS = (MovedError, AskError, TryAgainError, ClusterDownError, RedisConnectionError)
+"""What an acquire on a cluster tries again after, the slot map reloaded (see _SlotRetry)."""
 _UNREACHABLE_PATIENCE = 30.0  # seconds a blocking acquire without blocking_timeout waits
 # out its slot's unreachable primary (a failover takes the cluster's node timeout, 15 s
 # by default, and a little more)
@@ -115,13 +117,7 @@ async def _take_on_cluster(
         try:
             node = await node_client(cluster, options.base_key)
             return await _take(node, attempt, hook, job)
-        except (
-            MovedError,
-            AskError,
-            TryAgainError,
-            ClusterDownError,
-            RedisConnectionError,
-        ) as exc:
+        except _SLOT_ERRORS as exc:
             await retry.after(exc)
             try:
                 await reload_slots(cluster)

@@ -351,23 +351,11 @@ async def _replies(connection: Any, count: int) -> list[object]:
 
 
 def _error_reply(error: BaseException) -> object:
-    """What reading a reply that raised ``error`` gives: an error reply (redis-py's or
-    valkey-py's) in its place; a NOAUTH, whose command did not run, raised marked as
-    not sent."""
-    if isinstance(error, AuthenticationError):
-        mark_not_sent(error)
-        raise error
-    if isinstance(error, ResponseError):
-        return error
-    return _valkey_reply(error)
-
-
-def _valkey_reply(error: BaseException) -> object:
-    """What the reading of a reply that raised ``error`` (a valkey-py one) gives: an
-    error reply in its place, as a redis-py one is; else the error is raised, as both
-    (see ``_valkey``)."""
+    """What reading a reply that raised ``error`` gives: an error reply in its place
+    (a valkey-py one made redis-py's as well, see ``_valkey``); a NOAUTH, whose command
+    did not run, is raised marked as not sent, anything else raised as it is."""
     translated = as_redis_error(error)
-    if isinstance(translated, AuthenticationError):  # (NOAUTH: the command did not run)
+    if isinstance(translated, AuthenticationError):
         mark_not_sent(translated)
     elif isinstance(translated, ResponseError):
         return translated

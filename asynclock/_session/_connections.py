@@ -101,7 +101,7 @@ class Companion:
     waiter that left); the lane (the hot path's exchange on the caller's pool); packing
     commands in the client's encoding (``pack``, ``pack_args``); the register of the
     blocks and guards open per task (``holding``, ``left``, ``check_not_holding``:
-    leases are not re-entrant); undoing an abandoned attempt (``abandon``); the one-time
+    leases are not re-entrant); the undo of an abandoned attempt (``abandon_call``); the one-time
     eviction check; and its own lifetime (``retain``, ``unretain``, ``aclose_if_idle``,
     ``forget``)."""
 
@@ -220,18 +220,10 @@ class Companion:
                 mark_sharded(self._overflow)
         return self._overflow
 
-    async def abandon(self, key: str, token: str, tombstone_ms: int, limit: float) -> None:
-        """Run ABANDON for ``token`` on the lock whose lease key is ``key`` (see the
-        script): delete the key if it holds that token, withdraw the token's offer, and
-        tombstone it for ``tombstone_ms``; shielded, within ``limit`` seconds.
-
-        Raises what the exchange raised (a Redis or connection error, ``TimeoutError``).
-        """
-        keys, args = self.abandon_call(key, token, tombstone_ms)
-        await finish(run_idempotent(ABANDON, self.lane, self.overflow, keys, args), limit)
-
     def abandon_call(self, key: str, token: str, tombstone_ms: int) -> tuple[list[str], list[Arg]]:
-        """ABANDON's keys and arguments for ``token`` on the lock whose lease key is ``key``."""
+        """ABANDON's keys and arguments for ``token`` on the lock whose lease key is ``key``
+        (see the script): delete the key if it holds that token, withdraw the token's
+        offer, and tombstone it for ``tombstone_ms``."""
         keys = [key, f"{key}:void:{token}", key + ":waiting"]
         return keys, [token, tombstone_ms, key + ":released", self.room.origin]
 
@@ -240,10 +232,11 @@ class Companion:
         of ours that is gone (see ``WaitingRoom._granted``): delete it if it still holds
         that token, and tombstone the token. Best effort: the key expires by its TTL."""
         key = channel.removesuffix(":released")
-        try:  # (a task of the room's: closing the room waits for it, bounded)
-            await self.abandon(key, token, _ORPHAN_TOMBSTONE_MS, _ORPHAN_LIMIT)
-        except asyncio.CancelledError:
-            raise
+        keys, args = self.abandon_call(key, token, _ORPHAN_TOMBSTONE_MS)
+        try:  # (a task of the room's: closing the room waits for it, bounded; shielded)
+            await finish(
+                run_idempotent(ABANDON, self.lane, self.overflow, keys, args), _ORPHAN_LIMIT
+            )
         except Exception as exc:
             log.warning(
                 "could not give back %s, granted to a waiter that left (%r); it expires by its TTL",
