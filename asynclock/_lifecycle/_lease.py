@@ -155,14 +155,6 @@ class Tenure:
         """The random token (128 bits, hex) identifying this lease in Redis."""
         return self.owner().partition(":")[0]
 
-    @property
-    def name(self) -> str:
-        return self.options.name
-
-    @property
-    def ttl(self) -> float:
-        return self.options.ttl
-
     def current_state(self) -> LeaseState:
         """``state``, but ``LOST`` as soon as the safe deadline has passed (before a
         stalled loop has run the deadline's timer)."""
@@ -184,20 +176,14 @@ class Tenure:
             return True
         before = cancelling()
         keys, args = [self.options.key], [self.owner()]
+
+        def read(companion: Companion) -> Awaitable[object]:
+            if self.asking:  # (its slot is migrating to its node: see moved)
+                return _IS_OURS(companion.client, keys, args, asking=True)
+            return run_idempotent(_IS_OURS, companion.client, companion.overflow, keys, args)
+
         async with asyncio.timeout(self.time_left):
-            try:
-                if self.asking:  # (its slot is migrating to its node: see moved)
-                    ours = await _IS_OURS(self.companion.client, keys, args, asking=True)
-                else:
-                    companion = self.companion
-                    ours = await run_idempotent(
-                        _IS_OURS, companion.client, companion.overflow, keys, args
-                    )
-            except AskError as moved:  # (MOVED too: the slot moved; see moved)
-                if not self.follow(moved):
-                    raise
-                client = self.companion.client
-                ours = await _IS_OURS(client, keys, args, asking=self.asking)
+            ours = await self.on_its_node(read)
         if cancel_dropped(before):
             raise asyncio.CancelledError
         if ours != 1:
@@ -224,7 +210,7 @@ class Tenure:
 
     def check_not_released(self) -> None:
         if self.closing and self.state is not LeaseState.LOST:
-            raise RuntimeError(f"the lease {self.name!r} has been released")
+            raise RuntimeError(f"the lease {self.options.name!r} has been released")
 
     async def give_back(self, give: Callable[[Tenure], Awaitable[Wake]] | None = None) -> None:
         """``Lease.release()``, giving the key back with ``give`` if given."""
@@ -232,11 +218,11 @@ class Tenure:
         guards = self.guards
         if guards is None:
             raise RuntimeError(
-                f"the lease {self.name!r} belongs to an `async with lease(...)` block, "
+                f"the lease {self.options.name!r} belongs to an `async with lease(...)` block, "
                 "whose exit releases it"
             )
         if guards:
-            raise RuntimeError(f"release() of {self.name!r} while a guard() of it is open")
+            raise RuntimeError(f"release() of {self.options.name!r} while a guard() of it is open")
         if self.closing:  # released, or being released, by an earlier call
             released = self.released
             if released is not None:
@@ -296,7 +282,7 @@ class Tenure:
         return True
 
     def __repr__(self) -> str:
-        return f"<Tenure {self.name!r} {self.state.name} fence={self.fencing_token}>"
+        return f"<Tenure {self.options.name!r} {self.state.name} fence={self.fencing_token}>"
 
     # -- machinery (the context manager, the release, the watchdog) ---------------------
 
@@ -324,7 +310,7 @@ class Tenure:
 
     def loss_error(self) -> LockLost:
         reason = self.lost_reason or LossReason.DEADLINE
-        return LockLost(self.name, reason)
+        return LockLost(self.options.name, reason)
 
     def raise_loss(self, error: BaseException | None, what: str) -> None:
         """The lease was lost while ``what`` (a block, a guard) ran, and it ended with
@@ -334,7 +320,7 @@ class Tenure:
             raise self.loss_error() from self.lost_cause
         if isinstance(error, asyncio.CancelledError | LockLost):
             return  # (a LockLost in flight: a guard's, for this loss, said it already)
-        said = f"asynclock: the lease {self.name!r} was lost ({self.lost_reason})"
+        said = f"asynclock: the lease {self.options.name!r} was lost ({self.lost_reason})"
         if not any(note.startswith(said) for note in getattr(error, "__notes__", ())):
             error.add_note(f"{said} while {what} ran")  # (once: a guard and a release)
 
@@ -375,7 +361,7 @@ class Tenure:
         if scope is None:
             self.guards = ()
         companion = self.companion
-        companion.watchdog.schedule(self, self.last_send + self.ttl / 3)
+        companion.watchdog.schedule(self, self.last_send + self.options.ttl / 3)
         most = self.options.max_hold
         if most:  # (counted from the acquire's send, as the deadline is)
             at = self.last_send + most
@@ -437,6 +423,17 @@ class Tenure:
         let_go(old)
         return True
 
+    async def on_its_node(self, send: Callable[[Companion], Awaitable[object]]) -> object:
+        """``send`` through the lease's companion; answered ``MOVED`` or ``ASK`` (its slot
+        moved, or is migrating), sent again through the node's the answer names (see
+        ``follow``), unless the lease cannot move there."""
+        try:
+            return await send(self.companion)
+        except AskError as moved:  # (MOVED too: a MovedError is an AskError)
+            if not self.follow(moved):
+                raise
+            return await send(self.companion)
+
     def on_deadline(self, cause: BaseException | None = None) -> None:
         """Called by the watchdog once ``safe_until`` has passed; ``cause``: the failure
         of the renewal that could not be retried in time, if that is how it came."""
@@ -471,17 +468,14 @@ class Tenure:
         timeout error when the outcome is unknown.
         """
         t_send = self.companion.loop.time()
+        keys = self.hold.keys
+        args: list[Arg] = [self.owner(), self.options.ttl_ms]
+
+        def renew(companion: Companion) -> Awaitable[object]:
+            return self.renew_script(companion.renewer(), keys, args, asking=self.asking)
+
         async with asyncio.timeout(limit):
-            keys = self.hold.keys
-            args: list[Arg] = [self.owner(), self.options.ttl_ms]
-            try:
-                client = self.companion.renewer()
-                reply = await self.renew_script(client, keys, args, asking=self.asking)
-            except AskError as moved:  # (MOVED too: the slot moved; see moved)
-                if not self.follow(moved):
-                    raise
-                client = self.companion.renewer()
-                reply = await self.renew_script(client, keys, args, asking=self.asking)
+            reply = await self.on_its_node(renew)
         if reply != 1:
             self.found_not_ours()
             return False
@@ -541,7 +535,7 @@ class Tenure:
 
     def fail(self, cause: BaseException) -> None:
         self.lose(LossReason.WATCHDOG_FAILED, cause)  # (first: logging may raise)
-        log.error("the watchdog of %r failed", self.name, exc_info=cause)
+        log.error("the watchdog of %r failed", self.options.name, exc_info=cause)
 
     def suspect(self, cause: BaseException) -> None:
         if self.state in _ACTIVE:
@@ -559,7 +553,7 @@ class Tenure:
             self.scope.cancel()  # (once the block is exiting, nothing is left to cancel)
         for guard in self.guards or ():
             guard.cancel()
-        log.warning("lease %r lost: %s", self.name, reason.value)
+        log.warning("lease %r lost: %s", self.options.name, reason.value)
         self.event(LeaseEventKind.LOST, reason.value)
 
     def not_confirmed(self) -> None:

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Sequence
+from typing import Final
 
 import anyio
 from redis.asyncio import Redis
@@ -67,29 +68,17 @@ class RedlockLease:
         hook: EventHook | None = None,
     ) -> None:
         self._hook = hook
-        self._name = name
-        self._ttl = ttl
+        self.name: Final = name
+        self.ttl: Final = ttl
+        self.servers: Final = servers
+        """How many servers the lock is taken over."""
         self._leases = leases
         self._quorum = quorum
-        self._servers = servers
         self._lost: LossReason | None = None
         self._released = False
         self._scopes: list[anyio.CancelScope] = []
         self._loop = asyncio.get_running_loop()
         self._acquired_at = self._loop.time()  # (set again once held: see acquire_redlock)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
-
-    @property
-    def servers(self) -> int:
-        """How many servers the lock is taken over."""
-        return self._servers
 
     @property
     def held_on(self) -> int:
@@ -174,19 +163,19 @@ class RedlockLease:
                 renewal, the lock not lost: the first such error (the watchdogs go on).
         """
         if self._released:
-            raise RuntimeError(f"the lease {self._name!r} has been released")
+            raise RuntimeError(f"the lease {self.name!r} has been released")
         if self._lost is not None:
-            raise LockLost(self._name, self._lost)
+            raise LockLost(self.name, self._lost)
         live = [lease for lease in self._leases if lease.held_locally()]
         answers = await asyncio.gather(*(lease.extend() for lease in live), return_exceptions=True)
         if self._lost is not None:
-            raise LockLost(self._name, self._lost)
+            raise LockLost(self.name, self._lost)
         if sum(answer is None for answer in answers) >= self._quorum:
             return
         for answer in answers:
             if isinstance(answer, Exception) and not isinstance(answer, LockLost):
                 raise answer
-        raise LockLost(self._name, LossReason.NOT_OWNER)  # (unreachable: lost above)
+        raise LockLost(self.name, LossReason.NOT_OWNER)  # (unreachable: lost above)
 
     def guard(self) -> _Guard:
         """``async with lock.guard():``: a stretch of work that the loss of the majority
@@ -198,12 +187,12 @@ class RedlockLease:
         ``release_timeout``). Raises ``LockLost`` if the majority was lost before."""
         if not self._released:
             if self._scopes:
-                raise RuntimeError(f"release() of {self._name!r} while a guard() of it is open")
+                raise RuntimeError(f"release() of {self.name!r} while a guard() of it is open")
             self._released = True
             await _release_all(self._leases)
             self._report_released()
         if self._lost is not None:
-            raise LockLost(self._name, self._lost)
+            raise LockLost(self.name, self._lost)
 
     def _report_released(self) -> None:
         """The ``released`` event of the lock as a whole (its servers' leases report
@@ -211,7 +200,7 @@ class RedlockLease:
         if self._lost is None:
             now = self._loop.time()
             released, token = LeaseEventKind.RELEASED, self.fencing_token
-            report(self._hook, released, self._name, token, now, 0.0, held=now - self._acquired_at)
+            report(self._hook, released, self.name, token, now, 0.0, held=now - self._acquired_at)
 
     def _holding(self) -> list[tuple[Tenure, HoldEntry]]:
         """Note, on every server's client, that the current task is in a block or guard
@@ -229,12 +218,12 @@ class RedlockLease:
             for scope in self._scopes:
                 scope.cancel()
             lost, token, at = LeaseEventKind.LOST, self.fencing_token, event.at
-            report(self._hook, lost, self._name, token, at, event.safe_until, self._lost.value)
+            report(self._hook, lost, self.name, token, at, event.safe_until, self._lost.value)
 
     def __repr__(self) -> str:
         return (
-            f"<RedlockLease {self._name!r} {self.state.name} on {self.held_on} of "
-            f"{self._servers} servers>"
+            f"<RedlockLease {self.name!r} {self.state.name} on {self.held_on} of "
+            f"{self.servers} servers>"
         )
 
 
@@ -275,7 +264,7 @@ class RedlockContext:
     def __init__(
         self, servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None
     ) -> None:
-        self._servers = list(servers)
+        self.servers = list(servers)
         self._options = options
         self._hook = hook
         self._lock: RedlockLease | None = None
@@ -284,7 +273,7 @@ class RedlockContext:
     async def __aenter__(self) -> RedlockLease:
         if self._lock is not None:
             raise RuntimeError("a lease() context manager can be entered only once")
-        self._lock = await acquire_redlock(self._servers, self._options, self._hook)
+        self._lock = await acquire_redlock(self.servers, self._options, self._hook)
         self._guard = self._lock.guard()
         await self._guard.__aenter__()
         return self._lock

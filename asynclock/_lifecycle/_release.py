@@ -14,10 +14,11 @@ import asyncio
 import enum
 import logging
 import math
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, Final, Protocol
 
-from redis.exceptions import AskError, MaxConnectionsError
+from redis.exceptions import MaxConnectionsError
 
 from .._base._events import LeaseEventKind
 from .._base._exceptions import LossReason
@@ -25,11 +26,7 @@ from .._base._options import LeaseOptions
 from .._base._shield import finish, finish_idempotent
 from .._kinds._hold import Hold
 from .._kinds._mutex import Handoff, handoff_call, read_handoff, unregister
-from .._redis._scripts import (
-    STORE,
-    UNKNOWN_OUTCOME,
-    Arg,
-)
+from .._redis._scripts import STORE, UNKNOWN_OUTCOME, Arg, Script
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
 
@@ -44,8 +41,6 @@ class Held(Protocol):
     """A lease as its release sees it (``_lease.Tenure`` is one): read here, changed only
     by asking it (``end``, ``lose``, ``event``, ``follow``). Loop times in seconds."""
 
-    @property
-    def name(self) -> str: ...
     @property
     def token(self) -> str: ...
     @property
@@ -66,7 +61,7 @@ class Held(Protocol):
     def asking(self) -> bool: ...  # (its slot migrates to its node: see Tenure.moved)
 
     def owner(self) -> str: ...
-    def follow(self, error: AskError) -> bool: ...  # (MOVED/ASK: to the node named)
+    async def on_its_node(self, send: Callable[[Companion], Awaitable[object]]) -> object: ...
     def event(self, kind: LeaseEventKind, detail: str = "") -> None: ...
     def lose(self, reason: LossReason, cause: BaseException | None = None) -> None: ...
     def end(self) -> None: ...
@@ -136,12 +131,10 @@ async def release(held: Held, *, shielded: bool) -> Wake:
 
     try:
         released = await finish_idempotent(release, limit, shield=not shielded)
-    except asyncio.CancelledError:
-        raise
     except Exception as exc:
         log.warning(
             "release of %r did not complete (%r); its key expires by its TTL",
-            held.name,
+            held.options.name,
             exc,
         )
         held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
@@ -173,34 +166,21 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     limit = options.release_timeout
     deadline = companion.loop.time() + limit
     full = [held.owner(), *args, options.channel, companion.room.origin]
-    asking = held.asking
     runs = 0
 
     async def store() -> tuple[object, bool]:
         nonlocal runs
         runs += 1
-        first = runs == 1
-        try:
-            reply = await STORE(companion.lane, keys, full, deadline, asking=asking)
-        except MaxConnectionsError:  # the caller's pool is full: nothing was sent
-            async with asyncio.timeout_at(deadline):
-                reply = await STORE(companion.overflow(), keys, full, asking=asking)
-        except UNKNOWN_OUTCOME as exc:
-            log.debug("storing the result of %r failed (%r), retrying", held.name, exc)
-            first = False
-            async with asyncio.timeout_at(deadline):
-                reply = await STORE(companion.overflow(), keys, full, asking=asking)
-        return reply, first
+        reply, first = await _send(held, STORE, keys, full, deadline)
+        return reply, first and runs == 1
 
     try:
         reply, first = await finish_idempotent(store, limit)
-    except asyncio.CancelledError:
-        raise
     except Exception as exc:
         log.warning(
             "the result of %r may not have been stored (%r); its lease expires "
             "by its TTL, after which a duplicate may run the job again",
-            held.name,
+            held.options.name,
             exc,
         )
         held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
@@ -251,7 +231,6 @@ async def _send_release(
     ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted.
     """
     companion = held.companion
-    asking = held.asking
     options = held.options
     room = companion.room
     hold = held.hold
@@ -272,23 +251,11 @@ async def _send_release(
             t_offer,
         )
         script, keys, args = request.script, list(request.keys), request.args
-    try:
-        reply = await script(companion.lane, keys, args, deadline, asking=asking)
-    except MaxConnectionsError:  # the caller's pool is full: nothing was sent
-        async with asyncio.timeout_at(deadline):
-            reply = await script(companion.overflow(), keys, args, asking=asking)
-    except AskError as moved:  # (MOVED too: its slot moved since the last renewal)
-        if not held.follow(moved):
-            raise
-        companion = held.companion
-        reply = await script(companion.lane, keys, args, deadline, asking=held.asking)
-    except UNKNOWN_OUTCOME as exc:
-        log.debug("release of %r failed (%r), retrying", held.name, exc)
-        first = False
-        if successor is not None:  # the first run may have registered us as waiting
-            room.set_registered(options.channel, True)
-        async with asyncio.timeout_at(deadline):
-            reply = await script(companion.overflow(), keys, args, asking=asking)
+    retrying = None
+    if successor is not None:  # (the first run may have registered us as waiting)
+        retrying = partial(room.set_registered, options.channel, True)
+    reply, definitive = await _send(held, script, keys, args, deadline, retrying)
+    first = first and definitive
     if successor is None:
         if reply == 1:
             return _Outcome.RELEASED
@@ -317,6 +284,36 @@ async def _send_release(
     return _Outcome.NOT_OURS if _proves_loss(held, first) else None
 
 
+async def _send(
+    held: Held,
+    script: Script,
+    keys: list[str],
+    args: list[Arg],
+    deadline: float,
+    retrying: Callable[[], None] | None = None,
+) -> tuple[object, bool]:
+    """Run a release's ``script`` by ``deadline`` (loop time) on the lane, or on the
+    overflow pool when the caller's pool is full; answered ``MOVED`` or ``ASK``, on the
+    node named (see ``Tenure.on_its_node``). After an unknown outcome it is sent once
+    more on the overflow pool (``retrying`` called first). Returns the reply and whether
+    it answers the first send (a definitive answer)."""
+
+    def on_lane(companion: Companion) -> Awaitable[object]:
+        return script(companion.lane, keys, args, deadline, asking=held.asking)
+
+    try:
+        return await held.on_its_node(on_lane), True
+    except MaxConnectionsError:  # the caller's pool is full: nothing was sent
+        async with asyncio.timeout_at(deadline):
+            return await script(held.companion.overflow(), keys, args, asking=held.asking), True
+    except UNKNOWN_OUTCOME as exc:
+        log.debug("release of %r failed (%r), retrying", held.options.name, exc)
+        if retrying is not None:
+            retrying()
+        async with asyncio.timeout_at(deadline):
+            return await script(held.companion.overflow(), keys, args, asking=held.asking), False
+
+
 def _proves_loss(held: Held, first: bool) -> bool:
     """Whether a release's answer that the key was not ours, just received, proves the key
     went early: the first attempt's, received before ``safe_until`` (see ``_send_release``)."""
@@ -338,8 +335,6 @@ async def unretain(companion: Companion) -> None:
     if companion.unretain():
         try:
             await finish(companion.aclose_if_idle(), _CLOSE_LIMIT)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:
             log.debug("closing side connections failed: %r", exc)
 

@@ -85,10 +85,6 @@ class Watched(Protocol):
     (``watch``, ``confirm``, ``suspect``, ``on_deadline``, ...). Loop times and seconds."""
 
     @property
-    def name(self) -> str: ...
-    @property
-    def ttl(self) -> float: ...
-    @property
     def options(self) -> LeaseOptions: ...
     @property
     def active(self) -> bool: ...
@@ -125,14 +121,14 @@ def report_stall(lease: Watched, due: float, now: float, what: str) -> None:
     cannot be cancelled, so the guarded work may have run past the lease's deadline.
     """
     late = now - due
-    if late > max(0.1, lease.ttl / 6):
+    if late > max(0.1, lease.options.ttl / 6):
         log.warning(
             "event loop stall of %.3fs detected (%s of lease %r ran late); "
             "nothing that does not await can be interrupted, so the guarded work may have "
             "overlapped another holder: rely on the fencing token",
             late,
             what,
-            lease.name,
+            lease.options.name,
         )
 
 
@@ -195,7 +191,7 @@ class Watchdog:
         while entries and len(batch) < _BATCH:
             due, _, group = entries[0]
             if not batch:
-                window = min(_WINDOW, group[0].ttl / 30)  # (a group shares one ttl)
+                window = min(_WINDOW, group[0].options.ttl / 30)  # (a group shares one ttl)
             if due > now + window:
                 break
             heapq.heappop(entries)
@@ -270,7 +266,7 @@ class Watchdog:
                 continue
             try:
                 if self._answered(lease, reply, confirmed):
-                    ttl = lease.ttl
+                    ttl = lease.options.ttl
                     found = renewed.get(ttl)
                     if found is None:
                         found = renewed[ttl] = (lease.options.safe_until(t_send), [])
@@ -312,7 +308,7 @@ class Watchdog:
         if lease.options.min_replicas > confirmed.acked:
             # renewed on the primary, not confirmed by enough replicas: failed
             wanted, acked = lease.options.min_replicas, confirmed.acked
-            short = ReplicationTimeout(lease.name, wanted, acked, confirmed.wait)
+            short = ReplicationTimeout(lease.options.name, wanted, acked, confirmed.wait)
             short.__cause__ = confirmed.error  # (WAITAOF refused, say)
             self._retry(lease, short)
             return False
@@ -333,7 +329,7 @@ class Watchdog:
         loop = self._loop
         t_send = loop.time()
         earliest = min(lease.deadline for lease in batch)
-        limit_at = min(earliest, t_send + min(lease.ttl for lease in batch) / 3)
+        limit_at = min(earliest, t_send + min(lease.options.ttl for lease in batch) / 3)
         client = self._renewer()
         parts: list[bytes] = []
         asked: list[int] = []  # (where the replies of ASKING come, to drop them)
@@ -400,8 +396,8 @@ class Watchdog:
             lease.on_deadline(error)
             return
         lease.suspect(error)
-        backoff = lease.backoff or min(lease.ttl / 30, 0.05)
-        lease.note_backoff(min(backoff * 2, lease.ttl / 10, 1.0))
+        backoff = lease.backoff or min(lease.options.ttl / 30, 0.05)
+        lease.note_backoff(min(backoff * 2, lease.options.ttl / 10, 1.0))
         pause = backoff * random.uniform(0.5, 1.0)
         self.schedule(lease, min(now + pause, lease.deadline))
 
@@ -409,7 +405,7 @@ class Watchdog:
 def _refused(lease: Watched, error: BaseException) -> None:
     """The server's ACL refused the renewal of ``lease`` (see :func:`is_refusal`): lost at
     once, the refusal explained (naming the missing rule) as the cause."""
-    what = f"the renewal of lease {lease.name!r}"
+    what = f"the renewal of lease {lease.options.name!r}"
     _failed(lease, explain(error, what, lease.renew_script.source))
 
 
