@@ -95,7 +95,6 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
     base = options.base_key
     async with node.pipeline(transaction=False) as pipe:
         pipe.get(options.key)
-        pipe.pttl(options.fence_key)
         pipe.get(options.fence_key)
         for suffix in _AUXILIARY:
             pipe.pttl(f"{base}:{suffix}")
@@ -103,11 +102,11 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
             pipe.get(key)
             pipe.pttl(key)
         replies = await pipe.execute()
-    value, fence_pttl, last = replies[0], int(replies[1]), replies[2]
-    start = 3 + len(_AUXILIARY)
+    value, last = replies[0], replies[1]
+    start = 2 + len(_AUXILIARY)
     retention = {
         suffix: _seconds(int(pttl))
-        for suffix, pttl in zip(_AUXILIARY, replies[3:start], strict=True)
+        for suffix, pttl in zip(_AUXILIARY, replies[2:start], strict=True)
         if int(pttl) != -2  # (-2: no such key)
     }
     permits = [(replies[i], int(replies[i + 1])) for i in range(start, len(replies), 2)]
@@ -129,7 +128,7 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
         shared_holders=stats.shared_holders,
         permits_in_use=stats.permits_in_use,
         limit=stats.limit,
-        fence_retention=_seconds(fence_pttl),
+        fence_retention=retention.get("fence"),  # (one PTTL read: the two agree)
         last_fencing_token=int(_text(last)) if last is not None else None,
         retention=retention,
     )
