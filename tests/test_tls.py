@@ -166,14 +166,19 @@ async def test_ssl_settings_carry_over_to_every_connection_asynclock_makes(
         async with asynclock.lease(client, "held", ttl=1.5, prefix=prefix) as held:
             companion = companion_for(client)
 
-            async def wait_briefly() -> None:  # (another task: the lock is held by this one)
-                with pytest.raises(asynclock.AcquireTimeout):  # (subscribed meanwhile)
-                    async with asynclock.lease(client, "held", blocking_timeout=0.5, prefix=prefix):
-                        pass
-                assert isinstance(companion.room.connection, SSLConnection)
-                assert companion.room.connection.is_connected
+            async def wait() -> None:  # (another task: the lock is held by this one)
+                async with asynclock.lease(client, "held", blocking_timeout=30, prefix=prefix):
+                    pass
 
-            await asyncio.ensure_future(wait_briefly())
+            waiter = asyncio.ensure_future(wait())
+            async with asyncio.timeout(20):  # (the TLS handshake may be slow on a busy machine)
+                while companion.room.connection is None:  # noqa: ASYNC110 (set once connected)
+                    await asyncio.sleep(0.01)
+            assert isinstance(companion.room.connection, SSLConnection)
+            assert companion.room.connection.is_connected
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
             await companion.overflow().ping()  # (made on demand, as an exhausted pool makes it)
             await companion.renewer().ping()
             for pool in (companion.renewer(), companion.overflow()):
