@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-from .._base._options import Client, LeaseOptions, is_cluster
+from .._base._options import Client, LeaseOptions, is_cluster, redis_api
 from .._redis._cluster import node_client, primary_clients
 from .._redis._scripts import Script
 from ._statistics import LockStatistics, statistics
@@ -258,6 +258,7 @@ async def force_release(
     released it and another took it), nothing is deleted and None is returned. The
     check and the deletion are one step in Redis.
     """
+    redis = redis_api(redis)
     info = await statistics(redis, name, prefix=prefix)
     options = LeaseOptions.cached(redis, name, {"prefix": prefix})
     node = await node_client(redis, options.base_key) if is_cluster(redis) else redis

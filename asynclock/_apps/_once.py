@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from .._base._exceptions import IdempotencyConflict, LockLost, LossReason, ResultNotStored
-from .._base._options import MAX_TTL, Client, LeaseOptions, _positive
+from .._base._options import MAX_TTL, Client, LeaseOptions, RedisApi, _positive, redis_api
 from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
 from .._lifecycle._lease import Lease
 from .._lifecycle._take import begin
@@ -192,6 +192,7 @@ async def _run_once(
     serializer: Serializer | None,
 ) -> T:
     """``once()`` for a key already made (never read as a template)."""
+    redis = redis_api(redis)
     options = LeaseOptions.cached(
         redis, key, {"ttl": ttl, "blocking_timeout": blocking_timeout, "prefix": prefix}
     )
@@ -244,7 +245,7 @@ async def _run_once(
 
 
 async def _stored_result(
-    redis: Client, key: str, result_key: str, codec: Serializer, limit: float
+    redis: RedisApi, key: str, result_key: str, codec: Serializer, limit: float
 ) -> Any:
     """What every caller of the job ``key`` is given, once the store's outcome is unknown:
     the result read back (or its marker's error) if it was stored; else ``LockLost``
@@ -396,7 +397,7 @@ def _dumps(codec: Serializer, result: object) -> bytes | str:
     return payload
 
 
-def _read_back(payload: bytes | str, redis: Client) -> bytes:
+def _read_back(payload: bytes | str, redis: RedisApi) -> bytes:
     """The bytes a duplicate's ``loads()`` would get for ``payload``: as the client
     encodes it for Redis and, with ``decode_responses=True``, decodes it on the way back.
 
@@ -411,14 +412,14 @@ def _read_back(payload: bytes | str, redis: Client) -> bytes:
     return data
 
 
-def _text(payload: object, redis: Client) -> str:
+def _text(payload: object, redis: RedisApi) -> str:
     """A marker's cause, as text (whatever the client's ``decode_responses``)."""
     if isinstance(payload, bytes):
         return payload.decode(encoding_of(redis)[0], "replace")
     return str(payload)
 
 
-def _as_bytes(payload: object, redis: Client) -> bytes:
+def _as_bytes(payload: object, redis: RedisApi) -> bytes:
     """A stored payload as bytes (a ``decode_responses=True`` client decoded it)."""
     if isinstance(payload, bytes):
         return payload

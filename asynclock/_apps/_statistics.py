@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-from .._base._options import Client, LeaseOptions, is_cluster
+from .._base._options import Client, LeaseOptions, is_cluster, redis_api
 from .._redis._cluster import node_client
 from .._redis._scripts import STATISTICS
 from .._session._connections import companion_for
@@ -49,6 +49,7 @@ async def statistics(redis: Client, name: str, *, prefix: str = "asynclock:") ->
     Raises ``TypeError``/``ValueError`` for bad arguments before any I/O, and what the
     client raises when Redis cannot be reached.
     """
+    redis = redis_api(redis)
     options = LeaseOptions.cached(redis, name, {"prefix": prefix})
     base = options.base_key
     keys = [

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -21,20 +21,40 @@ from redis.asyncio.cluster import RedisCluster
 if TYPE_CHECKING:  # (typing.TypeIs from Python 3.13 on; the type checker's own stubs)
     from typing_extensions import TypeIs
 
-Client = Redis | RedisCluster
+if TYPE_CHECKING:  # (valkey-py's clients too, for a type checker that has valkey-py)
+    from valkey.asyncio import Valkey
+    from valkey.asyncio.cluster import ValkeyCluster
+
+    Client = Redis | RedisCluster | Valkey | ValkeyCluster
+else:
+    Client = Redis | RedisCluster
 """What a lock is taken through: a redis-py asyncio client of one server (standalone or a
-Sentinel's primary) or of a Redis Cluster; valkey-py's ``Valkey`` and ``ValkeyCluster``
-clients are accepted as these (the same API), see :func:`is_client`."""
+Sentinel's primary) or of a Redis Cluster, or valkey-py's ``Valkey`` or ``ValkeyCluster``
+(the same API), see :func:`is_client`. Inside, every client is used through the
+redis-py API it offers (:func:`redis_api`)."""
+
+
+RedisApi = Redis | RedisCluster
+"""A client as asynclock uses it inside: the redis-py API (see :func:`redis_api`)."""
+
+
+def redis_api(client: Client) -> RedisApi:
+    """``client`` as the redis-py API it offers: valkey-py's clients have the same
+    methods, and asynclock calls only those (a cast for the type checker; no work)."""
+    return cast("RedisApi", client)
+
 
 __all__ = [
     "MAX_LIMIT",
     "MAX_TTL",
     "MIN_TTL",
     "LeaseOptions",
+    "RedisApi",
     "default_fence_ttl",
     "drift_for",
     "is_client",
     "is_cluster",
+    "redis_api",
     "replicas_confirmed",
 ]
 

@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._base._events import EventHook, LeaseEventKind, hooks, report
 from .._base._exceptions import AcquireTimeout, LockBusy
-from .._base._options import Client, LeaseOptions, is_cluster
+from .._base._options import Client, LeaseOptions, is_cluster, redis_api
 from .._kinds._engine import Kind, acquire
 from .._kinds._fair import Fair
 from .._kinds._mutex import Job, JobConflict, JobDone, Mutex
@@ -53,6 +53,7 @@ async def take(
     """Acquire the lock of ``options`` (by the engine, ``_kinds._engine``; ``job``: for
     ``once()``): the held lease, not yet watched (the caller starts it without awaiting
     first), and, with ``min_replicas``, confirmed by that many replicas (``_replicas``)."""
+    redis = redis_api(redis)
     if is_cluster(redis):
         held = await _take_on_cluster(redis, options, hook, job)
     else:
