@@ -556,3 +556,50 @@ def test_a_supervisor_stopped_before_telling_the_pid_still_has_its_command_stopp
         supervisor.send_signal(signal.SIGCONT)
         _, err = supervisor.communicate(timeout=10)
     assert "sent SIGKILL to the command" in err, err
+
+
+def _family_under_a_lease(
+    url: str, name: str, ttl: str, tmp_path: Path
+) -> tuple[subprocess.Popen[str], int]:
+    """``asynclock run`` of a shell whose child ignores SIGTERM (the shell itself dies of
+    it): the runner, and the child's pid."""
+    runner = _run(
+        url, name, "--ttl", ttl, "--grace", "0.5", "--",
+        "sh", "-c", '"$1" -c "$2" "$3" "$4" & wait', "sh",
+        sys.executable, _STUBBORN_PID, str(tmp_path / "pid"), str(tmp_path / "log"),
+    )  # fmt: skip
+    return runner, int(_wait_for(tmp_path / "pid"))
+
+
+def test_a_lost_lease_stops_the_command_s_children_too(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """The command is a shell whose child ignores SIGTERM: once the lease is lost, the
+    whole process group gets SIGTERM, then SIGKILL after the grace, so the child does not
+    run on beside the next holder."""
+    name = f"{prefix}family-lost"
+    runner, child = _family_under_a_lease(redis_server.url, name, "3", tmp_path)
+    try:
+        SyncRedis.from_url(redis_server.url).delete(f"asynclock:{{{name}}}")
+        code, err = _finish(runner)
+        assert code == EXIT_LOST, err
+        _poll(lambda: not _running(child), 5)
+    finally:
+        _kill_if_running(child)
+
+
+def test_a_killed_supervisor_s_command_s_children_are_gone_too(
+    redis_server: ServerInfo, prefix: str, tmp_path: Path
+) -> None:
+    """``asynclock run`` SIGKILLed, its command a shell whose child ignores SIGTERM: the
+    reaper's SIGTERM ends the shell, and the child gets SIGKILL when the grace ends,
+    long before the lease's TTL (20 s)."""
+    runner, child = _family_under_a_lease(
+        redis_server.url, f"{prefix}family-killed", "20", tmp_path
+    )
+    try:
+        runner.kill()
+        _finish(runner)
+        assert _poll(lambda: not _running(child), 10) < 5
+    finally:
+        _kill_if_running(child)

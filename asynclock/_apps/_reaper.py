@@ -27,12 +27,17 @@ child other than itself (a stopped process's children stay listed, and keep thei
 until it reaps them); if the supervisor has none yet, it looks again every
 ``_LOOK_AGAIN`` seconds, so that a command started after the deadline is stopped at once.
 
+Each signal goes to the command (by its pidfd) and then, as the command leads a process
+group of its own (the supervisor starts it in a new session), to that group: the
+command's children too. A command that exits while being stopped has what is left of its
+group killed when ``SIGKILL`` is due (:meth:`_Switch.after_exit`).
+
 The reaper never outlives the command for long: it exits as soon as the command has
-exited (the pidfd turns readable), on ``done``, at EOF when it knows no command, and at
-most ``_AFTER_KILL`` seconds after its ``SIGKILL``; it waits on its stdin and the pidfd
-only. It signals the command's process (as the supervisor does), not the command's own
-children. Left open: a supervisor *killed* between the command's start and its ``pid``
-line (its child is then reparented, and the reaper cannot tell it from others).
+exited (the pidfd turns readable) and its group is dealt with, on ``done``, at EOF when
+it knows no command, and at most ``_AFTER_KILL`` seconds after its ``SIGKILL``; it waits
+on its stdin and the pidfd only. Left open: a supervisor *killed* between the command's
+start and its ``pid`` line (its child is then reparented, and the reaper cannot tell it
+from others).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-__all__ = ["MARGIN", "READY", "Reaper", "signal_times"]
+__all__ = ["GROUP_POLL", "MARGIN", "READY", "Reaper", "group_alive", "signal_group", "signal_times"]
 
 MARGIN: Final = 0.1
 """Seconds before the safe deadline by which the command is killed (``SIGKILL``)."""
@@ -202,6 +207,7 @@ class _Switch:
         self.grace = grace
         self.supervisor = os.getppid()
         self.pidfd: int | None = None
+        self.pid: int | None = None  # (the command's, once its pidfd is taken)
         self.deadline = math.inf  # (none told yet: nothing is due but at EOF)
         self.orphaned_at: float | None = None  # when stdin reached EOF
         self.sent: set[int] = set()
@@ -219,6 +225,7 @@ class _Switch:
             os.close(pidfd)
             return False
         self.pidfd = pidfd
+        self.pid = pid
         return True
 
     def _find(self) -> bool:
@@ -257,9 +264,23 @@ class _Switch:
             signal.pidfd_send_signal(self.pidfd, signum)
         except ProcessLookupError:  # (it has exited already)
             return
+        if self.pid is not None:  # (alive, so its pid is its group's: its children too)
+            signal_group(self.pid, signum)
         what = "supervisor is gone" if self.orphaned_at is not None else "lease runs out"
         name = signal.Signals(signum).name
         print(f"asynclock run: the {what}; sent {name} to the command", file=sys.stderr)
+
+    def after_exit(self) -> None:
+        """The command exited. If it was being stopped (``SIGTERM`` sent, not yet
+        ``SIGKILL``), what is left of its process group (children that outlived it)
+        gets ``SIGKILL`` when it is due. An id that leads a live group is never given
+        to a new process, so the group is still the command's while it has members."""
+        if self.pid is None or signal.SIGTERM not in self.sent or signal.SIGKILL in self.sent:
+            return
+        kill_at = self.due()[1]
+        while group_alive(self.pid) and time.monotonic() < kill_at:
+            time.sleep(GROUP_POLL)
+        signal_group(self.pid, signal.SIGKILL)
 
     def told(self, line: bytes) -> bool:
         """Take one line from the supervisor; False when there is nothing left to do."""
@@ -274,6 +295,24 @@ class _Switch:
         if self.deadline == math.inf or deadline > self.deadline:
             self.deadline = deadline
         return True
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    """``signum`` to the process group ``pgid`` (the command leads one: ``run`` starts it
+    in a session of its own); nothing if the group is empty."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+GROUP_POLL: Final = 0.02  # seconds between looks at a stopped command's group
 
 
 def _serve(switch: _Switch) -> None:
@@ -292,6 +331,7 @@ def _serve(switch: _Switch) -> None:
         timeout_ms = None if math.isinf(wait) else math.ceil(wait * 1000)
         for fd, _ in poller.poll(timeout_ms):
             if fd == watched:
+                switch.after_exit()
                 return  # the command has exited
             chunk = os.read(stdin, 4096)
             if not chunk:

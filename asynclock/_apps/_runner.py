@@ -11,6 +11,10 @@ lease is lost outright (the key is not ours any more) SIGTERM comes at once and 
 ``grace`` later. The command's exit ends the lease at once. SIGTERM and SIGINT sent to
 us are passed on to the child, whose status we then return.
 
+The command leads a session (and process group) of its own, and every signal goes to
+that group: a shell script's children are stopped with it. When the command is stopped,
+what is left of its group after the grace (children that outlived it) gets SIGKILL.
+
 None of that can happen while we are stopped, killed or our event loop is blocked, so a
 reaper process (``_reaper.py``, a dead man's switch) is told the safe deadline, moved at
 each confirmed renewal, and stops the command there on its own, or at once if we die.
@@ -39,7 +43,7 @@ from .._base._urls import safe_url
 from .._lifecycle._context import lease
 from .._lifecycle._lease import Lease, LeaseState
 from .._redis._valkey import family_named, valkey_errors
-from ._reaper import MARGIN, Reaper
+from ._reaper import GROUP_POLL, MARGIN, Reaper, group_alive, signal_group
 
 __all__ = ["EXIT_LOST", "EXIT_UNAVAILABLE", "RunConfig", "command_environment", "run_command"]
 
@@ -140,7 +144,7 @@ async def _supervise(config: RunConfig, held: Lease, changed: asyncio.Event) -> 
     try:
         try:
             child = await asyncio.create_subprocess_exec(
-                *config.command, env=command_environment(held)
+                *config.command, env=command_environment(held), start_new_session=True
             )
         except OSError as exc:
             _say(f"cannot run {config.command[0]!r}: {exc}")
@@ -227,16 +231,18 @@ def _kill_after(config: RunConfig, held: Lease, loop: asyncio.AbstractEventLoop)
 async def _stop(
     child: asyncio.subprocess.Process, exited: asyncio.Future[int], grace: float
 ) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds if the child is still running."""
+    """SIGTERM to the child's process group, then, after ``grace`` seconds or once the
+    group is empty, SIGKILL to what is left of it."""
     if child.returncode is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        child.terminate()
-    done, _ = await asyncio.wait({exited}, timeout=grace)
-    if not done:
-        with contextlib.suppress(ProcessLookupError):
-            child.kill()
-        await exited
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + grace
+    _send(child, signal.SIGTERM)
+    await asyncio.wait({exited}, timeout=grace)
+    while group_alive(child.pid) and loop.time() < ends:  # noqa: ASYNC110 (no event for it)
+        await asyncio.sleep(GROUP_POLL)
+    signal_group(child.pid, signal.SIGKILL)
+    await exited
 
 
 def _forward_signals(
@@ -254,6 +260,7 @@ def _forward_signals(
 
 
 def _send(child: asyncio.subprocess.Process, signum: int) -> None:
+    """``signum`` to the child's process group, while the child is not reaped (so its
+    pid, the group's id, is not another's)."""
     if child.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.pid, signum)
+        signal_group(child.pid, signum)
