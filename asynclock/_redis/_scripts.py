@@ -900,12 +900,13 @@ return deleted
 # in the sorted set '<lock key>:readers' (token -> server time in ms until which it
 # lives). The last one out deletes the marker and announces the release.
 
-# Drop the reader `token` from KEYS[3]; the last one out (no other reader, or only expired
-# ones) deletes the set with the marker KEYS[2] and announces it on ARGV[2] (ARGV[3]),
-# else `token` and expired readers leave the set. Whether others are left is read from
-# the two members that expire last, before removing ours: the last one out (the
-# uncontended release) removes nothing member by member. The clock is read only when
-# another reader is in the set.
+# Drop the reader `token` (its key KEYS[1], already found ours) from KEYS[3]; the last one
+# out (no other reader, or only expired ones) deletes its key, the set and the marker
+# KEYS[2] (if `marker`, the marker's value read with the reader's key, is the marker) in
+# one DEL and announces it on ARGV[2] (ARGV[3]), else its key, `token` and expired
+# readers leave. Whether others are left is read from the two members that expire last,
+# before removing ours: the last one out (the uncontended release) removes nothing member
+# by member. The clock is read only when another reader is in the set.
 _SHARED_DROP = f"""local top = redis.call('ZRANGE', KEYS[3], -2, -1, 'WITHSCORES')
 local other = nil  -- (when the longest other reader expires)
 for i = #top - 1, 1, -2 do
@@ -920,13 +921,14 @@ if other then
   now = {_NOW_MS}
 end
 if now and other > now then
+  redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[3], token)
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-elseif redis.call('GET', KEYS[2]) == 'shared' then
-  redis.call('DEL', KEYS[2], KEYS[3])
+elseif marker == 'shared' then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
   redis.call('PUBLISH', ARGV[2], ARGV[3])
 else
-  redis.call('DEL', KEYS[3])
+  redis.call('DEL', KEYS[1], KEYS[3])
 end
 return 1
 """
@@ -1019,14 +1021,15 @@ readers' set, the reader's value and ttl (ms) follow."""
 # SHARED_RELEASE: KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
 # ARGV[1] the reader's full value, ARGV[2] the release channel, ARGV[3] our origin id.
 # Returns 1 when our reader key was deleted (the marker too if we were the last), else 0.
-# (Read and deleted in one GETDEL: the key is named by our token, and only SHARED_ACQUIRE
-# with that token writes it, so no other holder's value can be in it.)
+# (The reader's key and the marker are read in one MGET, and deleted in one DEL by the
+# last one out.)
 SHARED_RELEASE = Script(
     "shared_release",
-    """if redis.call('GETDEL', KEYS[1]) ~= ARGV[1] then
+    """local found = redis.call('MGET', KEYS[1], KEYS[2])
+if found[1] ~= ARGV[1] then
   return 0
 end
-local token = string.match(ARGV[1], '^([^:]*):')
+local token, marker = string.match(ARGV[1], '^([^:]*):'), found[2]
 """
     + _SHARED_DROP,
 )
@@ -1038,12 +1041,12 @@ local token = string.match(ARGV[1], '^([^:]*):')
 SHARED_ABANDON = Script(
     "shared_abandon",
     f"""redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
-local current = redis.call('GET', KEYS[1])
+local found = redis.call('MGET', KEYS[1], KEYS[2])
+local current, marker = found[1], found[2]
 local token = ARGV[1]
 if not {_held()} then
   return 0
 end
-redis.call('DEL', KEYS[1])
 """
     + _SHARED_DROP,
 )
