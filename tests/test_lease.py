@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 import asynclock
 from asynclock import LeaseEventKind, LeaseState, LockLost, LossReason
+from asynclock._redis._scripts import _FENCE_FROM_TIME
 from asynclock.testing import FaultProxy, RedisServer
 
 
@@ -83,6 +84,21 @@ async def test_fencing_tokens_strictly_increase(client: Redis, prefix: str):
         await client.set(lock.key + ":fence", 1)  # even a counter rolled back
     async with asynclock.lease(client, "fenced", ttl=5, prefix=prefix) as lock:
         assert lock.fencing_token > tokens[-1]
+
+
+@pytest.mark.parametrize("micros", ["0", "5", "42", "999", "12345", "999999"])
+async def test_fencing_token_text_is_the_server_time_in_microseconds(
+    client: Redis, prefix: str, micros: str
+):
+    """2: the token's text, made from TIME's digits (the microseconds padded to 6), is the
+    decimal of the number the scripts compare and return (a TIME reply stands in)."""
+    source = (
+        "local t = {ARGV[1], ARGV[2]}\nlocal fence, text\n"
+        + _FENCE_FROM_TIME
+        + "return {text, string.format('%d', fence)}"
+    )
+    made, number = await client.eval(source, 0, "1764300000", micros)
+    assert [text(made), text(number)] == [f"1764300000{int(micros):06d}"] * 2
 
 
 # -- 3. the watchdog --------------------------------------------------------------------

@@ -154,6 +154,8 @@ class Mutex(Kind):
         if job is not None:
             keys.append(job.result_key)
             args.append(job.fingerprint)
+        elif turn is None:  # (outside a wait: the script reads only the first three)
+            del keys[3:], args[3:]
         # Only a listening head offers: a grant is read from the subscription, and should
         # its notification be missed anyway (the subscription broke), the head's next
         # attempt finds the key holding its own token and takes it. (Concurrent first

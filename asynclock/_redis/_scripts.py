@@ -256,27 +256,35 @@ local now = {_NOW_MS}
 
 # The next fencing token into `fence` (`text`: it as a decimal string), declared by the
 # script: max(last + 1, server TIME in microseconds), from the TIME reply `t` and the
-# counter at KEYS[2], which this one only reads.
-_MINT_FENCE = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('GET', KEYS[2]))
+# counter at KEYS[2], which this one only reads. The token's text is made from TIME's own
+# digits (seconds, then microseconds padded to 6); string.format, which the rare case
+# that the clock gave no more than the last token takes, costs 3 times as much.
+_FENCE_FROM_TIME = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+text = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+"""
+_MINT_FENCE = (
+    _FENCE_FROM_TIME
+    + """local last = tonumber(redis.call('GET', KEYS[2]))
 if last and last >= fence then
   fence = last + 1
+  text = string.format('%d', fence)
 end
-text = string.format('%d', fence)
 """
+)
 
 # The same, written to the counter at KEYS[2] (PX ARGV[3]) by the command that reads the
 # last one (SET ... GET); written again in the rare case that the clock gave no more than
 # the last token.
-_MINT_AND_STORE_FENCE = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-text = string.format('%d', fence)
-local last = tonumber(redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET'))
+_MINT_AND_STORE_FENCE = (
+    _FENCE_FROM_TIME
+    + """local last = tonumber(redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET'))
 if last and last >= fence then
   fence = last + 1
   text = string.format('%d', fence)
   redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
 end
 """
+)
 
 # The fencing token in a lease's value `current` ("<token>:<fencing token>[:...]").
 _FENCE_OF = "tonumber(string.match(current, '^[^:]*:(%d+)'))"
@@ -320,8 +328,9 @@ end
 # Returns {1, fencing token} when held by this token (new, or a retry of ours),
 #         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 #         {-1, 0} when this attempt was abandoned (its tombstone exists).
-# An uncontended success (ARGV[6] '') reads, mints and writes, and returns before any
-# of the registration's bookkeeping is even defined.
+# An attempt outside a blocking wait may send KEYS[1..3] and ARGV[1..3] only (ARGV[4] and
+# ARGV[6] absent count as ''). An uncontended success (ARGV[6] '') reads, mints and
+# writes, and returns before any of the registration's bookkeeping is even defined.
 _ACQUIRE_SOURCE = (
     """local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease)
 if found[1] then
@@ -340,10 +349,10 @@ if not current then
 elseif {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   fence = {_FENCE_OF}
-elseif ARGV[4] == '' then
+elseif (ARGV[4] or '') == '' then
   return {{0, redis.call('PTTL', KEYS[1])}}
 end
-if fence and ARGV[6] == '' then
+if fence and (ARGV[6] or '') == '' then
   return {{1, fence}}
 end
 """
