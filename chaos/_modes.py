@@ -16,13 +16,16 @@ TTLs before it began): only shared holders stood in its way. That must never hap
 
 **Fair mode.** A waiter's place in the queue is the server's time of its first attempt,
 which the client does not see: it lies between ``asked_at`` and, by assumption, ``asked_at +
-ARRIVAL_MARGIN``. A waiter is *live* from then until it sends its granting attempt
-(``lease_from``) or gives up (as seen: ``waited_until - ARRIVAL_MARGIN``, and no later than
-``asked_at + blocking_timeout``), unless its process was stopped (a ``Pause``). A grant *out
-of arrival order* is a round ``later`` granted (its body began) while a round ``earlier`` of
-the same lock was live and had certainly arrived first (``earlier.asked_at + ARRIVAL_MARGIN
-<= later.asked_at``), with no pause of ``earlier``'s holder and no data loss (which empties
-the queue) between ``earlier``'s ask and ``later``'s grant. A dead waiter (stopped, or gone
+ARRIVAL_MARGIN``, unless a fault that cuts or delays connections overlapped that (the
+attempt may then have failed, and the waiter arrives at its next unprompted try: by
+``ARRIVAL_MARGIN`` after ``FAIR_PATIENCE / 2`` past the fault's end). A waiter is *live*
+from then until it sends its granting attempt (``lease_from``) or gives up (as seen:
+``waited_until - ARRIVAL_MARGIN``, and no later than ``asked_at + blocking_timeout``),
+unless its process was stopped (a ``Pause``). A grant *out of arrival order* is a round
+``later`` granted (its body began) while a round ``earlier`` of the same lock was live and
+had certainly arrived first (by then, ``later`` had not asked yet), with no pause of
+``earlier``'s holder and no data loss (which empties the queue) between ``earlier``'s ask
+and ``later``'s grant. A dead waiter (stopped, or gone
 without leaving) keeps its place until ``FAIR_PATIENCE`` has passed since its last attempt,
 and the next one tries at least every ``FAIR_PATIENCE / 2``: so a stretch in which the lock
 was free while a live waiter waited (from the end of one holder's ``async with`` to the next
@@ -48,7 +51,7 @@ from typing import Final, Protocol
 from asynclock._kinds._fair import FAIR_PATIENCE
 from asynclock.testing import Interval, Pause
 
-from ._nemesis import Injection
+from ._nemesis import FaultKind, Injection
 
 __all__ = [
     "ARRIVAL_MARGIN",
@@ -145,11 +148,7 @@ def starved_writers(
     for interval in intervals:
         if not interval.shared:
             exclusive[interval.lock].append(interval)
-    faults = [
-        (i.start, i.end + _FAULT_AFTERMATH * ttl)
-        for i in injections
-        if not i.outcome.startswith("skipped")
-    ]
+    faults = _fault_windows(injections, _FAULT_AFTERMATH * ttl)
     found = []
     for report in rounds:
         if report.kind != "exclusive" or report.outcome != "timeout":
@@ -207,6 +206,41 @@ class SlowHandover:
         )
 
 
+def _fault_windows(
+    injections: Iterable[Injection], aftermath: float, kinds: frozenset[FaultKind] | None = None
+) -> list[tuple[float, float]]:
+    """``(start, end + aftermath)`` of every fault injected (of ``kinds``, if given)."""
+    return [
+        (i.start, i.end + aftermath)
+        for i in injections
+        if not i.outcome.startswith("skipped") and (kinds is None or i.fault.kind in kinds)
+    ]
+
+
+_CUTS: Final = frozenset(
+    {
+        FaultKind.RESET,
+        FaultKind.CLIENT_KILL,
+        FaultKind.RESTART,
+        FaultKind.BLACKHOLE,
+        FaultKind.DELAY,
+        FaultKind.STALL,
+    }
+)
+"""The faults that cut or delay connections: an attempt made meanwhile may not arrive."""
+
+
+def _arrived_by(report: RoundLike, cuts: Sequence[tuple[float, float]]) -> float:
+    """When a fair round's first attempt had certainly reached the server (see the module
+    doc)."""
+    assert report.asked_at is not None
+    arrived = report.asked_at + ARRIVAL_MARGIN
+    for start, end in cuts:
+        if start < arrived and end >= report.asked_at:
+            arrived = max(arrived, end + FAIR_PATIENCE / 2 + ARRIVAL_MARGIN)
+    return arrived
+
+
 def _live_until(report: RoundLike) -> float | None:
     """Until when a fair round was certainly a live waiter (see the module doc)."""
     if report.asked_at is None or report.waited_until is None:
@@ -224,8 +258,10 @@ def out_of_order(
     pauses: Iterable[Pause],
     data_losses: Sequence[tuple[float, float]],
     ttl: float,
+    injections: Iterable[Injection] = (),
 ) -> list[OutOfOrder]:
     """Every grant out of arrival order among live waiters (see the module doc)."""
+    cuts = _fault_windows(injections, 0.0, _CUTS)
     by_holder = _by_holder(pauses)
     granted: dict[str, list[RoundLike]] = defaultdict(list)
     for report in rounds:
@@ -243,7 +279,7 @@ def out_of_order(
         group = granted.get(earlier.lock)
         if live is None or not group:
             continue
-        arrived = earlier.asked_at + ARRIVAL_MARGIN
+        arrived = _arrived_by(earlier, cuts)
         first = bisect.bisect_right(starts[earlier.lock], arrived)
         last = bisect.bisect_left(starts[earlier.lock], live)
         for later in group[first:last]:

@@ -915,7 +915,7 @@ def _mode_checks(record: RunRecord, windows: Sequence[DataLoss]) -> dict[str, An
         found["cluster"] = cluster_checks(record.rounds, record.injections, ttl, failures, details)
     if record.fair:
         losses = [(w.start, w.end) for w in windows]
-        disorder = out_of_order(record.rounds, record.pauses, losses, ttl)
+        disorder = out_of_order(record.rounds, record.pauses, losses, ttl, record.injections)
         gaps = free_while_waiting(record.rounds, record.pauses, ttl)
         bound = fair_bound(ttl)
         slow = [g for g in gaps if g.seconds > bound]
