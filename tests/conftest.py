@@ -36,6 +36,17 @@ from asynclock.testing import (
 
 pytest_plugins = ["figures"]
 
+_HEAVY = frozenset({"test_chaos.py", "test_jobqueue.py"})
+"""Test files whose tests run many processes at once (chaos runs): under pytest-xdist
+(``./dev test``) they share one worker, so that two of them never load the machine
+together, and the other workers run the rest beside them."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in _HEAVY:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
 
 def _docker_answers() -> bool:
     """True when a Docker engine answers a ping within a few seconds."""
