@@ -19,9 +19,9 @@ is sent again at once, which refreshes the hold in one round trip.
 A kind supplies only what differs (``Kind``): the script and its keys and arguments, the
 parsing of its reply into a named outcome (``Granted``, ``Busy``, ``Refused``), the pause
 before trying again unprompted, its undo script, and how its waiters take turns
-(``Turn``): all at each wake-up (``Crowd``), the head of the client's line (``Line``), or,
-for the plain lock, a line whose head may also be handed the lock by a releaser and whose
-first waiter tries before taking a place in it (``_mutex.HandOverLine``).
+(``Turn``): all at each wake-up (``Crowd``), or the head of the client's line (``Line``,
+whose first waiter tries before taking a place in it); for the plain lock, a line whose
+head may also be handed the lock by a releaser (``_mutex.HandOverLine``).
 """
 
 from __future__ import annotations
@@ -172,7 +172,10 @@ class Crowd(Turn):
 
 
 class Line(Turn):
-    """The client's waiters queue in one line; only its head tries (a semaphore's)."""
+    """The client's waiters queue in one line; only its head tries (a semaphore's). An
+    acquire joins it only after a busy reply: while nobody of ours waits, it tries at
+    once (concurrent acquires take free permits side by side, not one round trip after
+    another behind the head)."""
 
     __slots__ = ("_channel", "_options", "_room", "_token", "waiter")
 
@@ -189,6 +192,9 @@ class Line(Turn):
         self.waiter = self._room.join(self._channel, waiter)
         self.event = waiter.event
         self.event.set()  # (tries at once; leave() sets it too when we become the head)
+
+    def first_alone(self) -> bool:
+        return not self._room.waiting(self._channel)
 
     def mine(self) -> bool:
         return self.waiter is not None and self._room.is_head(self._channel, self.waiter)

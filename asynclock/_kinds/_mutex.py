@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import random
 from typing import Final, NamedTuple, cast
 
 from .._base._options import LeaseOptions
@@ -38,7 +37,7 @@ from .._redis._lane import exchange
 from .._redis._scripts import ABANDON, ACQUIRE, ACQUIRE_JOB, HANDOFF, Arg
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
-from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer
+from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer, until_expiry
 from ._hold import Hold, of_lock
 
 __all__ = [
@@ -197,10 +196,7 @@ class Mutex(Kind):
     def pause(self, busy: Busy) -> float:
         """Until the holder's key would expire, and at least every half of our
         registration's life (a live wait never lapses)."""
-        if busy.pttl_ms < 0:  # a key without expiry (set from outside): look after a ttl
-            return self._options.ttl
-        pttl = busy.pttl_ms / 1000
-        wait = pttl + random.uniform(0.001, 0.005 + pttl * 0.02)
+        wait = until_expiry(self._options, busy.pttl_ms)
         return min(wait, register_ms(self._options.ttl_ms) / 2000)
 
     def holding(self, token: str, grant: Granted) -> Hold:
@@ -215,18 +211,15 @@ class Mutex(Kind):
 
 
 class HandOverLine(Line):
-    """The mutex's line: its first waiter tries before taking a place, its head may be
-    handed the lock by a releaser, and the line drops its client's registration as
-    waiting when it empties."""
+    """The mutex's line: its first waiter tries before taking a place (as every line's
+    does), its head may be handed the lock by a releaser, and the line drops its client's
+    registration as waiting when it empties."""
 
     __slots__ = ("_companion",)
 
     def __init__(self, companion: Companion, options: LeaseOptions, token: str) -> None:
         super().__init__(companion.room, options.channel, token, options)
         self._companion = companion
-
-    def first_alone(self) -> bool:
-        return not self._room.waiting(self._channel)
 
     def handed(self) -> Granted | None:
         waiter = self.waiter

@@ -38,24 +38,13 @@ from ._hold import Hold, of_permit
 __all__ = ["Permits"]
 
 
-class _PermitLine(Line):
-    """The client's line for a semaphore, which an acquire joins only after a busy reply:
-    while nobody of ours waits, it tries at once (concurrent acquires take free permits
-    side by side, not one round trip after another behind the head)."""
-
-    __slots__ = ()
-
-    def first_alone(self) -> bool:
-        return not self._room.waiting(self._channel)
-
-
 class Permits(Kind):
     """The semaphore kind: a permit of ``options.limit``, waiting in the client's line."""
 
     __slots__ = ()
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
-        return _PermitLine(room, self._options.channel, token, self._options)
+        return Line(room, self._options.channel, token, self._options)
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         options = self._options
