@@ -81,9 +81,11 @@ async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:
 
 
 async def finish_idempotent(
-    operation: Callable[[], Coroutine[Any, Any, T]], limit: float, *, shield: bool = True
+    operation: Callable[[bool], Coroutine[Any, Any, T]], limit: float, *, shield: bool = True
 ) -> T:
-    """:func:`finish` for an operation that is safe to repeat, without a task of its own.
+    """:func:`finish` for an operation that is safe to repeat, without a task of its own;
+    it is called with True for its first run, False for the run that repeats it (whose
+    answer may only reflect what the first run did).
 
     The operation runs in the caller's task, under a shielded scope (anyio cancellations
     wait) unless ``shield`` is False because the caller already runs in one. The
@@ -100,12 +102,12 @@ async def finish_idempotent(
     try:
         if shield:
             with anyio.CancelScope(shield=True):
-                result = await operation()
+                result = await operation(True)
         else:
-            result = await operation()
+            result = await operation(True)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception, asyncio.CancelledError):
-            await finish(operation(), max(deadline - loop.time(), 0.001))
+            await finish(operation(False), max(deadline - loop.time(), 0.001))
         raise
     if task is not None and task.cancelling() > before:  # (see cancel_dropped)
         raise asyncio.CancelledError

@@ -14,9 +14,9 @@ import asyncio
 import enum
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from redis.exceptions import MaxConnectionsError
 
@@ -86,7 +86,6 @@ async def release(held: Held, *, shielded: bool) -> Wake:
     """
     if held.lost_reason is LossReason.NOT_OWNER:
         return Wake.OURS  # the key is known not to be ours
-    runs = 0
     channel = held.options.channel
     room = held.companion.room
     # The next waiter in this client's line, if any, is handed the key directly.
@@ -114,21 +113,15 @@ async def release(held: Held, *, shielded: bool) -> Wake:
         room.in_use.add(successor.token)
         room.set_registered(channel, True)
     limit = held.options.release_timeout
-    deadline = t_offer + limit
-
-    def release() -> Coroutine[Any, Any, _Outcome | None]:
-        nonlocal runs
-        runs += 1  # a second run (after a native cancellation) is not definitive
-        return _send_release(
-            held,
-            keep_ms=keep_ms,
-            first=runs == 1,
-            successor=successor,
-            behind=behind,
-            t_offer=t_offer,
-            deadline=deadline,
-        )
-
+    release = partial(
+        _send_release,
+        held,
+        keep_ms=keep_ms,
+        successor=successor,
+        behind=behind,
+        t_offer=t_offer,
+        deadline=t_offer + limit,
+    )
     try:
         released = await finish_idempotent(release, limit, shield=not shielded)
     except Exception as exc:
@@ -146,9 +139,7 @@ async def release(held: Held, *, shielded: bool) -> Wake:
         held.event(LeaseEventKind.RELEASED)
     if successor is not None and not room.waiting(channel) and room.registered(channel):
         room.in_background(unregister(held.companion, held.options))  # line emptied
-    if released is _Outcome.CONTESTED or released is _Outcome.GRANTED:
-        return Wake.OTHERS
-    return Wake.OURS
+    return Wake.OTHERS if released is _Outcome.OTHERS_DUE else Wake.OURS
 
 
 async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
@@ -166,13 +157,10 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     limit = options.release_timeout
     deadline = companion.loop.time() + limit
     full = [held.owner(), *args, options.channel, companion.room.origin]
-    runs = 0
 
-    async def store() -> tuple[object, bool]:
-        nonlocal runs
-        runs += 1
-        reply, first = await _send(held, STORE, keys, full, deadline)
-        return reply, first and runs == 1
+    async def store(first: bool) -> tuple[object, bool]:
+        reply, definitive = await _send(held, STORE, keys, full, deadline)
+        return reply, first and definitive
 
     try:
         reply, first = await finish_idempotent(store, limit)
@@ -198,18 +186,17 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
 class _Outcome(enum.Enum):
     """What a release found."""
 
-    RELEASED = "released"  # deleted, waiters notified
-    CONTESTED = "contested"  # deleted, waiters notified, waiters of other clients registered
-    HANDED = "handed"  # handed to the next waiter of this client
-    GRANTED = "granted"  # granted to a waiter of another client
+    RELEASED = "released"  # deleted (waiters notified), or handed to our next waiter
+    OTHERS_DUE = "others due"  # granted to a waiter of another client, or deleted (waiters
+    # notified) with waiters of other clients registered: ours stand back (Wake.OTHERS)
     NOT_OURS = "not ours"  # definitively not our key (see _send_release)
 
 
 async def _send_release(
     held: Held,
+    first: bool,
     *,
     keep_ms: int,
-    first: bool,
     successor: Waiter | None,
     behind: Waiter | None,
     t_offer: float,
@@ -228,7 +215,8 @@ async def _send_release(
     gives it the key in the same round trip unless a waiter of another client is
     registered; the successor's lease counts from ``t_offer``, taken before the first send.
     Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``. With
-    ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted.
+    ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted. ``first``:
+    False for a run that repeats one a native cancellation interrupted (not definitive).
     """
     companion = held.companion
     options = held.options
@@ -270,14 +258,11 @@ async def _send_release(
         successor.grant = (fence, t_offer)  # the script set or renewed its expiry
         successor.event.set()
         room.set_registered(options.channel, behind is not None)
-        return _Outcome.HANDED
+        return _Outcome.RELEASED
     successor.offered = False  # a definitive answer: the key was not handed over
-    if answer is Handoff.GRANTED:  # to another client's waiter
+    if answer in (Handoff.GRANTED, Handoff.CONTESTED):  # (granted: to another's waiter)
         room.set_registered(options.channel, True)
-        return _Outcome.GRANTED
-    if answer is Handoff.CONTESTED:
-        room.set_registered(options.channel, True)
-        return _Outcome.CONTESTED
+        return _Outcome.OTHERS_DUE
     if answer is Handoff.RELEASED:  # the next holder gave up; released as RELEASE does
         room.set_registered(options.channel, behind is not None)
         return _Outcome.RELEASED
@@ -301,17 +286,18 @@ async def _send(
     def on_lane(companion: Companion) -> Awaitable[object]:
         return script(companion.lane, keys, args, deadline, asking=held.asking)
 
+    definitive = True
     try:
         return await held.on_its_node(on_lane), True
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
-        async with asyncio.timeout_at(deadline):
-            return await script(held.companion.overflow(), keys, args, asking=held.asking), True
+        pass
     except UNKNOWN_OUTCOME as exc:
         log.debug("release of %r failed (%r), retrying", held.options.name, exc)
         if retrying is not None:
             retrying()
-        async with asyncio.timeout_at(deadline):
-            return await script(held.companion.overflow(), keys, args, asking=held.asking), False
+        definitive = False
+    async with asyncio.timeout_at(deadline):
+        return await script(held.companion.overflow(), keys, args, asking=held.asking), definitive
 
 
 def _proves_loss(held: Held, first: bool) -> bool:
