@@ -50,8 +50,6 @@ __all__ = [
     "MIN_TTL",
     "LeaseOptions",
     "RedisApi",
-    "default_fence_ttl",
-    "drift_for",
     "is_client",
     "is_cluster",
     "redis_api",
@@ -94,29 +92,6 @@ MAX_TTL = 900_000_000_000.0
 """Longest TTL (and ``fence_ttl``) accepted, in seconds (about 28,500 years): every expiry
 derived from it (up to 10 x ttl, in milliseconds) stays an integer that Lua's numbers
 hold exactly (2**53) and that Redis accepts as an expiry."""
-
-_FENCE_TTL_FLOOR = 60.0  # seconds: see default_fence_ttl
-
-
-def default_fence_ttl(ttl: float) -> float:
-    """How long (seconds) a lock's fencing counter outlives its last acquisition unless
-    ``fence_ttl`` is given: 10 x ttl, and at least a minute.
-
-    The counter only adds to the server's clock, by which tokens are floored (see the
-    ACQUIRE script): it keeps tokens increasing should that clock step back while it
-    lives. A long retention costs one small key per finished name (a lock per job).
-    """
-    return max(10 * ttl, _FENCE_TTL_FLOOR)
-
-
-def drift_for(ttl: float) -> float:
-    """Clock-rate allowance subtracted from a lease's validity, in seconds.
-
-    1% of the TTL covers a server clock running fast relative to ours; the 2 ms floor
-    covers timer granularity.
-    """
-    return ttl * 0.01 + 0.002
-
 
 _CLIENT_TYPES: set[type] = set()  # client classes already found to be redis.asyncio.Redis
 _BUILT: dict[tuple[object, ...], LeaseOptions] = {}  # see LeaseOptions.cached
@@ -256,7 +231,12 @@ class LeaseOptions:
             key = f"{base}:reader:{self.reader}"
         object.__setattr__(self, "key", key)
         object.__setattr__(self, "ttl_ms", max(1, round(self.ttl * 1000)))
-        fence_ttl = self.fence_ttl or default_fence_ttl(self.ttl)
+        # Unless given, the fencing counter outlives its last acquisition by 10 x ttl, and
+        # at least a minute. It only adds to the server's clock, by which tokens are
+        # floored (see the ACQUIRE script): it keeps tokens increasing should that clock
+        # step back while it lives. A long retention costs one small key per finished
+        # name (a lock per job).
+        fence_ttl = self.fence_ttl or max(10 * self.ttl, 60.0)
         object.__setattr__(self, "fence_ttl", fence_ttl)
         object.__setattr__(self, "fence_ttl_ms", max(self.ttl_ms, round(fence_ttl * 1000)))
 
@@ -353,8 +333,10 @@ class LeaseOptions:
 
     def safe_until(self, t_send: float) -> float:
         """The safe deadline of a lease whose last confirmed command was sent at loop time
-        ``t_send``: ``t_send + ttl - drift`` (seconds)."""
-        return t_send + self.ttl - drift_for(self.ttl)
+        ``t_send``: ``t_send + ttl - drift`` (seconds). The drift, a clock-rate allowance,
+        is 1% of the TTL (a server clock running fast relative to ours) and 2 ms (timer
+        granularity)."""
+        return t_send + self.ttl - (self.ttl * 0.01 + 0.002)
 
     @classmethod
     def cached(cls, redis: object, name: object, given: Mapping[str, object]) -> LeaseOptions:
