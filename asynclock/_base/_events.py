@@ -23,7 +23,6 @@ __all__ = [
     "Tallied",
     "alone",
     "drain",
-    "emit",
     "hooks",
     "report",
     "set_hooks",
@@ -154,21 +153,16 @@ def report(
         event = LeaseEvent(
             kind, name, fencing_token, at, safe_until, detail, waited, held, latency, slack
         )
-        emit(hook, event)
+        if hook is not None:
+            _call(hook, event)
+            if type(hook) is _Alone:
+                return
+        for each in _PLAIN[0]:
+            _call(each, event)
+        if _SINKS[0]:
+            _queue(tallied(event))
     elif _SINKS[0]:
         _queue((kind, name, detail, _figure(kind, waited, held, slack)))
-
-
-def emit(hook: EventHook | None, event: LeaseEvent) -> None:
-    """:func:`report` for an event already made."""
-    if hook is not None:
-        _call(hook, event)
-        if type(hook) is _Alone:
-            return
-    for each in _PLAIN[0]:
-        _call(each, event)
-    if _SINKS[0]:
-        _queue(tallied(event))
 
 
 def tallied(event: LeaseEvent) -> Tallied:

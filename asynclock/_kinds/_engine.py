@@ -339,20 +339,15 @@ class _Acquisition:
                 return outcome
             first = outcome
         turn.take_place()
-        granted = False
-        quietly = False
         try:
             grant = await self._in_turn(turn, deadline, first)
-            granted = True
-            return grant
-        except AcquireTimeout:
-            quietly = True
+        except BaseException as exc:
+            # (quietly when our caller returns at once: timed out, or refused, which is
+            # the error in flight when _refused is set)
+            await turn.leave(False, self._refused or isinstance(exc, AcquireTimeout))
             raise
-        except Exception:
-            quietly = self._refused
-            raise
-        finally:
-            await turn.leave(granted, quietly)
+        await turn.leave(True, False)
+        return grant
 
     async def _alone(self, turn: Turn, deadline: float | None) -> Granted | Busy:
         """Try before taking a place in the line (the uncontended case costs no line

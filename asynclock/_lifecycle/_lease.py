@@ -223,13 +223,12 @@ class Tenure:
             )
         if guards:
             raise RuntimeError(f"release() of {self.options.name!r} while a guard() of it is open")
-        if self.closing:  # released, or being released, by an earlier call
-            released = self.released
-            if released is not None:
-                await released.wait()  # (bounded: every step of a release is)
+        released = self.released
+        if released is not None:  # released, or being released, by an earlier call
+            await released.wait()  # (bounded: every step of a release is)
         else:
             self.closing = True
-            self.released = asyncio.Event()
+            self.released = released = asyncio.Event()
             wake = Wake.OURS
             try:
                 self.overran("the release")
@@ -241,7 +240,7 @@ class Tenure:
                 try:
                     await after_release(self, wake)
                 finally:
-                    self.released.set()
+                    released.set()
         if self.state is LeaseState.LOST:
             self.raise_loss(in_flight, "the code that released it")
 
@@ -576,13 +575,12 @@ class Tenure:
         cancel the block. Returns the block's scope.
 
         Raises:
-            RuntimeError: the block has already exited, or was never entered.
+            RuntimeError: the block has already exited (one never entered has no lease).
         """
         if self.closing:
             raise RuntimeError("this lease() context manager has already exited")
         scope = self.scope
-        if scope is None:
-            raise RuntimeError("__aexit__ called without a successful __aenter__")
+        assert scope is not None  # (a block's lease starts with it; end() follows closing)
         self.closing = True
         return scope
 
