@@ -58,19 +58,12 @@ __all__ = [
 
 
 def is_client(value: object) -> bool:
-    """Whether ``value`` is a client a lease can be taken through (see ``Client``)."""
-    return (
-        type(value) in _CLIENT_TYPES
-        or isinstance(value, Redis)
-        or is_cluster(value)
-        or _valkey_client(value)
-    )
-
-
-def _valkey_client(value: object) -> bool:
-    """Whether ``value`` is a ``valkey.asyncio.Valkey`` client (valkey-py: the Valkey
-    project's fork of redis-py, same API; a Sentinel's ``master_for()`` one too). Never
-    imports valkey-py: an application with such a client has imported it."""
+    """Whether ``value`` is a client a lease can be taken through (see ``Client``): a
+    ``valkey.asyncio.Valkey`` client too (valkey-py: the Valkey project's fork of
+    redis-py, same API; a Sentinel's ``master_for()`` one too). Never imports valkey-py:
+    an application with such a client has imported it."""
+    if type(value) in _CLIENT_TYPES or isinstance(value, Redis) or is_cluster(value):
+        return True
     module = sys.modules.get("valkey.asyncio")
     return module is not None and isinstance(value, module.Valkey)
 
@@ -356,9 +349,14 @@ class LeaseOptions:
                 pass
             except TypeError:  # an unhashable argument: built (and reported) uncached
                 key = None
-        else:
-            _check_client(redis)
+        elif is_client(redis):  # (a redis-py or valkey-py client of a server or a cluster)
             _CLIENT_TYPES.add(type(redis))
+        else:
+            raise TypeError(
+                "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
+                "asyncio API) or a valkey.asyncio.Valkey or ValkeyCluster client, not "
+                f"{type(redis).__module__}.{type(redis).__qualname__}"
+            )
         unknown = given.keys() - KEYWORDS.keys()
         if unknown:
             raise TypeError(f"unexpected keyword argument {sorted(unknown)[0]!r}")
@@ -387,16 +385,6 @@ KEYWORDS: Final[Mapping[str, object]] = {
 }
 """The options of a lease (``lease()``'s keyword arguments but ``on_event``, which is not
 the lease's but its caller's), with their defaults: their one definition."""
-
-
-def _check_client(redis: object) -> None:
-    """A redis-py or valkey-py asyncio client of one server or of a cluster."""
-    if not is_client(redis):
-        raise TypeError(
-            "redis must be a redis.asyncio.Redis or RedisCluster client (redis-py's "
-            "asyncio API) or a valkey.asyncio.Valkey or ValkeyCluster client, not "
-            f"{type(redis).__module__}.{type(redis).__qualname__}"
-        )
 
 
 def _check_name(name: object) -> str:

@@ -63,7 +63,6 @@ class RedlockLease:
         name: str,
         ttl: float,
         leases: list[Tenure],
-        quorum: int,
         servers: int,
         hook: EventHook | None = None,
     ) -> None:
@@ -73,7 +72,7 @@ class RedlockLease:
         self.servers: Final = servers
         """How many servers the lock is taken over."""
         self._leases = leases
-        self._quorum = quorum
+        self._quorum = servers // 2 + 1  # (a majority)
         self._lost: LossReason | None = None
         self._released = False
         self._scopes: list[anyio.CancelScope] = []
@@ -202,11 +201,6 @@ class RedlockLease:
             released, token = LeaseEventKind.RELEASED, self.fencing_token
             report(self._hook, released, self.name, token, now, 0.0, held=now - self._acquired_at)
 
-    def _holding(self) -> list[tuple[Tenure, HoldEntry]]:
-        """Note, on every server's client, that the current task is in a block or guard
-        of this lock (a nested attempt of it would wait for itself: see acquire_redlock)."""
-        return [(lease, lease.companion.holding(lease.options.base_key)) for lease in self._leases]
-
     def _on_event(self, event: LeaseEvent) -> None:
         """A server's lease was lost: the Redlock is lost once fewer than a majority
         are left, and every scope under it cancelled."""
@@ -244,7 +238,9 @@ class _Guard:
             raise RuntimeError(f"the lock {lock.name!r} has been released")
         lock._scopes.append(self._scope)
         self._scope.__enter__()
-        self._entries = lock._holding()
+        # Noted on every server's client: the current task is in a block or guard of this
+        # lock (a nested attempt of it would wait for itself: see acquire_redlock).
+        self._entries = [(one, one.companion.holding(one.options.base_key)) for one in lock._leases]
         return lock
 
     async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
@@ -307,7 +303,6 @@ async def acquire_redlock(
     """
     first = options[0]
     blocking, timeout = first.redlock_blocking
-    quorum = len(servers) // 2 + 1
     loop = asyncio.get_running_loop()
     t_call = loop.time()
     deadline = None if timeout is None else t_call + timeout
@@ -315,12 +310,12 @@ async def acquire_redlock(
         if isinstance(server, Redis):
             companion_for(server).check_not_holding(first.base_key, first.name)
     while True:
-        lock = RedlockLease(first.name, first.ttl, [], quorum, len(servers), hook)
+        lock = RedlockLease(first.name, first.ttl, [], len(servers), hook)
         limit = first.ttl / 3
         if deadline is not None:
             limit = min(limit, max(deadline - loop.time(), _SHORTEST_ROUND))
         leases, errors = await _take_all(servers, options, lock, limit)
-        if len(leases) >= quorum:
+        if len(leases) >= lock._quorum:
             lock._leases = leases
             if lock.safe_until - loop.time() >= first.ttl / 3:
                 now = lock._acquired_at = loop.time()
@@ -373,7 +368,7 @@ async def _take_all(
     errors: list[BaseException] = []
     for task in tasks:
         if not task.done():
-            task.add_done_callback(_give_back_late)
+            task.add_done_callback(_give_back_late)  # (cancelled, it may still take it)
             task.cancel()
             continue
         error = task.exception()
@@ -402,13 +397,9 @@ _LATE: set[asyncio.Task[None]] = set()
 
 
 def _give_back_late(task: asyncio.Future[Tenure]) -> None:
-    """An attempt cancelled at the limit (or with its caller) that took the lock all the
-    same: give the lease back (in the background)."""
-    if task.cancelled() or task.exception() is not None:
-        return
-    lease = task.result()
-    lease.start(None)
-    late = asyncio.ensure_future(_release_all([lease]))
+    """An attempt cancelled at the limit (or with its caller) ended: if it took the lock
+    all the same, give the lease back (in the background, by ``_settle``)."""
+    late = asyncio.ensure_future(_settle([task]))
     _LATE.add(late)
     late.add_done_callback(_LATE.discard)
 
