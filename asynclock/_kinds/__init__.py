@@ -1,2 +1,2 @@
-"""The kinds of lock: one acquisition loop (``_engine``) with the semaphore, fair and shared
-kinds as its policies, and the mutex with a loop of its own (see docs/architecture.md)."""
+"""The kinds of lock: one acquisition loop (``_engine``) with the mutex, semaphore, fair and
+shared kinds as its policies (see docs/architecture.md)."""
