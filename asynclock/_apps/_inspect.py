@@ -140,7 +140,7 @@ def _exclusive_holder(value: object) -> tuple[str | None, int | None]:
     if value is None:
         return None, None
     text = _text(value)
-    if text == "shared":
+    if text == "shared" or text.startswith("shared:"):  # (shared holders: see SHARED_ACQUIRE)
         return None, None
     token, _, rest = text.partition(":")
     fence = rest.partition(":")[0]
@@ -266,7 +266,8 @@ async def force_release(
     keys += _permits(options, info.limit or 0)
     keys.append(options.permits_key)  # (with every permit: slots are taken from 0 again)
     readers = await node.zrange(options.readers_key, 0, -1)
-    keys += [f"{options.key}:reader:{_text(r)}" for r in readers]
+    # (and the keys of readers left by a version that gave each its own key)
+    keys += [f"{options.key}:reader:{_text(r).partition(':')[0]}" for r in readers]
     expected = "" if fencing_token is None else str(fencing_token)
     # (a cluster node's client runs the script's sharded twin: SPUBLISH, see Script)
     args = [expected, options.channel, "asynclock-cli"]
@@ -281,7 +282,8 @@ _FORCE_RELEASE: Final = Script(
     """
 if ARGV[1] ~= '' then
   local value = redis.call('GET', KEYS[1])
-  if not value or string.match(value, '^[^:]*:(%d+)') ~= ARGV[1] then
+  if not value or string.sub(value, 1, 6) == 'shared'
+      or string.match(value, '^[^:]*:(%d+)') ~= ARGV[1] then
     return -1
   end
 end

@@ -205,7 +205,8 @@ class LeaseOptions:
     slot: int = -1
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     reader: str = ""
-    """For a shared lease held: its token (its key is the lock's key + ``:reader:<it>``)."""
+    """For a shared lease held: its token (it is a member of the lock's readers' set,
+    which is its ``key``)."""
     base_key: str = field(init=False)
     """``<prefix>{<name>}``: the lock's key, and the stem of all its keys."""
     key: str = field(init=False)
@@ -221,7 +222,7 @@ class LeaseOptions:
         object.__setattr__(self, "base_key", base)
         key = base if self.slot < 0 else f"{base}:permit:{self.slot}"
         if self.reader:
-            key = f"{base}:reader:{self.reader}"
+            key = base + ":readers"  # (see readers_key)
         object.__setattr__(self, "key", key)
         object.__setattr__(self, "ttl_ms", max(1, round(self.ttl * 1000)))
         # Unless given, the fencing counter outlives its last acquisition by 10 x ttl, and
@@ -252,7 +253,8 @@ class LeaseOptions:
 
     @property
     def readers_key(self) -> str:
-        """The sorted set of a lock's shared holders (token -> until, server ms)."""
+        """The sorted set of a lock's shared holders ("<token>:<fencing token>" -> until,
+        server ms)."""
         return self.base_key + ":readers"
 
     def for_redlock(self) -> LeaseOptions:
@@ -265,7 +267,7 @@ class LeaseOptions:
         )
 
     def for_reader(self, token: str) -> LeaseOptions:
-        """These options for a shared lease held with ``token`` (its own key)."""
+        """These options for a shared lease held with ``token`` (its key: the readers')."""
         return replace(self, reader=token)
 
     def permit(self, slot: int) -> LeaseOptions:

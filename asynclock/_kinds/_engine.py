@@ -290,6 +290,13 @@ class Kind:
         """The acquire script for ``token``; ``turn``: part of a blocking wait."""
         raise NotImplementedError
 
+    def again(self, request: Request) -> Request:
+        """``request`` as sent when an earlier attempt with its token may have landed
+        (its outcome unknown, or its grant answered too late to use): the script must
+        find that hold and answer as if it had just taken it. The default: the same
+        request (a kind whose script always looks for its token's hold)."""
+        return request
+
     def sending(self, request: Request, t_send: float) -> None:
         """Called just before ``request`` is sent at loop time ``t_send`` (each try)."""
 
@@ -513,6 +520,8 @@ class _Acquisition:
         """
         kind = self._kind
         request = kind.attempt(self._token, turn)
+        if self._pending:  # (an attempt of ours may have left a hold: see again)
+            request = kind.again(request)
         script, keys, args = request.script, request.keys, request.args
         task = asyncio.current_task()  # (once: on Python 3.11 each lookup costs ~0.3 µs)
         before = task.cancelling() if task is not None else 0
@@ -538,6 +547,8 @@ class _Acquisition:
                 if retried:
                     raise
                 retried = True
+                request = kind.again(request)
+                script, keys, args = request.script, request.keys, request.args
             except ResponseError as exc:
                 if isinstance(exc, OutOfMemoryError):
                     exc.add_note(

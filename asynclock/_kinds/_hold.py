@@ -1,8 +1,9 @@
 """What a held lease of each kind renews and releases: its keys and its scripts.
 
-Design note. Every kind holds one key per holder (the lock's own, a semaphore's permit, a
-shared lease's reader key), so renewal, loss and release are the same code for all of
-them (``_lifecycle._lease``, ``_session._watchdog``, ``_lifecycle._release``); what
+Design note. Every kind holds one key or member per holder (the lock's own key, a
+semaphore's permit key, a shared lease's member of the readers' set or, alone, the lock's
+key), so renewal, loss and release are the same code for all of them
+(``_lifecycle._lease``, ``_session._watchdog``, ``_lifecycle._release``); what
 differs is only which keys a renewal and a release touch beside the holder's own, and
 with which script. A ``Hold`` says it, made by the kind when it grants the lease: the
 lease and the watchdog ask it, and never branch on the kind.
@@ -20,6 +21,7 @@ from .._redis._scripts import (
     RELEASE,
     RENEW,
     RENEW_HEAD,
+    SHARED_IS_OURS,
     SHARED_RELEASE,
     SHARED_RENEW,
     SHARED_RENEW_HEAD,
@@ -33,13 +35,16 @@ __all__ = ["Hold", "of_lock", "of_permit", "of_reader"]
 class Hold:
     """A held lease's keys and scripts.
 
-    ``options`` are the held lease's (its ``key``: the lock's, a permit's or a reader's);
-    ``keys`` the keys its renewal and its release touch, its own key first, in the
-    scripts' order; ``renew`` renews them (``renew_head``: its packed ``EVALSHA`` up to
-    the first key, shared by every lease of the kind); ``release`` gives the lease back
-    (its arguments: our value, the lock's channel, our origin, and the milliseconds to
-    keep the key for ``hold_at_least``, if any); ``hands_over``: a release may hand the
-    key to the next waiter of its client (HANDOFF: a plain lock's, not a fair one's).
+    ``options`` are the held lease's (its ``key``: the lock's, a permit's, or for a
+    reader the readers' set that holds its member); ``keys`` the keys its renewal and
+    its release touch, its own key first, in the scripts' order; ``renew`` renews them
+    (``renew_head``: its packed ``EVALSHA`` up to the first key, shared by every lease
+    of the kind); ``release`` gives the lease back (its arguments: our value, the lock's
+    channel, our origin, and the milliseconds to keep the key for ``hold_at_least``, if
+    any); ``hands_over``: a release may hand the key to the next waiter of its client
+    (HANDOFF: a plain lock's, not a fair one's);
+    ``verify`` reads whether it is still ours (``is_held(verify=True)``) with ``keys``
+    and our value (None: a ``GET`` of its own key compared with our value).
     """
 
     options: LeaseOptions
@@ -48,6 +53,7 @@ class Hold:
     renew_head: bytes
     release: Script
     hands_over: bool = False
+    verify: Script | None = None
 
 
 def of_lock(options: LeaseOptions) -> Hold:
@@ -63,8 +69,10 @@ def of_permit(options: LeaseOptions, slot: int) -> Hold:
 
 
 def of_reader(options: LeaseOptions, token: str) -> Hold:
-    """A shared lease: its reader key, the lock's key (the shared marker) and the set of
-    readers."""
+    """A shared lease: its member of the readers' set, and the lock's key (the shared
+    marker)."""
     reader = options.for_reader(token)
-    keys = (reader.key, options.base_key, options.readers_key)
-    return Hold(reader, keys, SHARED_RENEW, SHARED_RENEW_HEAD, SHARED_RELEASE)
+    keys = (options.readers_key, options.base_key)
+    return Hold(
+        reader, keys, SHARED_RENEW, SHARED_RENEW_HEAD, SHARED_RELEASE, verify=SHARED_IS_OURS
+    )

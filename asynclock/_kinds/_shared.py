@@ -4,9 +4,12 @@ Design note. Any number of shared leases may hold a lock at once, and none while
 exclusive (plain) lease holds it. While shared leases hold it, the lock's key holds the
 marker ``shared``, kept alive as long as the longest of them: a plain ``lease()`` finds
 the lock taken, and waits (or registers as waiting) as it does for any holder. Each shared
-lease has a lease key of its own (``<key>:reader:<token>``) that the watchdog renews with
-the marker (SHARED_RENEW), that is lost and released as any lease's, and a member in the
-lock's set of readers; the last one out deletes the marker and announces the release.
+lease is a member of the lock's set of readers (``<key>:readers``), its value
+``<token>:<fencing token>`` scored with its expiry, which the watchdog renews with the
+marker (SHARED_RENEW) and which is lost and released as any lease's key is; the last one
+out deletes the marker and announces the release. An attempt knows only its token: one
+sent again after an outcome it did not learn says so (``again``), and only then does the
+script look the token's member up.
 
 So that writers are not starved, a shared acquire waits while an exclusive waiter is
 registered for the lock (a blocking ``lease()`` that found it taken registers, see
@@ -43,9 +46,12 @@ class Shared(Kind):
             f"{base}:void:{token}",
             options.waiting_key,
             options.readers_key,
-            f"{base}:reader:{token}",
         ]
         return Request(SHARED_ACQUIRE, keys, [token, options.ttl_ms, options.fence_ttl_ms])
+
+    def again(self, request: Request) -> Request:
+        """The attempt, told to look for a hold of its token (SHARED_ACQUIRE's ARGV[4])."""
+        return Request(request.script, request.keys, [*request.args[:3], "1"])
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """(1, fence): a shared hold; (0, ms to wait at most before trying again)."""
@@ -56,10 +62,10 @@ class Shared(Kind):
         return until_expiry(self._options, busy.pttl_ms)
 
     def holding(self, token: str, grant: Granted) -> Hold:
-        return of_reader(self._options, token)  # (a key of its own)
+        return of_reader(self._options, token)  # (a member of the readers' set)
 
     def undo(self, token: str, origin: str) -> Request:
         options = self._options
         base = options.base_key
-        keys = [f"{base}:reader:{token}", base, options.readers_key, f"{base}:void:{token}"]
+        keys = [options.readers_key, base, f"{base}:void:{token}"]
         return Request(SHARED_ABANDON, keys, [token, options.channel, origin, options.tombstone_ms])

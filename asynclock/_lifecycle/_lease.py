@@ -175,12 +175,14 @@ class Tenure:
         if not verify:
             return True
         before = cancelling()
-        keys, args = [self.options.key], [self.owner()]
+        script = self.hold.verify or _IS_OURS
+        keys = list(self.hold.keys) if self.hold.verify else [self.options.key]
+        args = [self.owner()]
 
         def read(companion: Companion) -> Awaitable[object]:
             if self.asking:  # (its slot is migrating to its node: see moved)
-                return _IS_OURS(companion.client, keys, args, asking=True)
-            return run_idempotent(_IS_OURS, companion.client, companion.overflow, keys, args)
+                return script(companion.client, keys, args, asking=True)
+            return run_idempotent(script, companion.client, companion.overflow, keys, args)
 
         async with asyncio.timeout(self.time_left):
             ours = await self.on_its_node(read)

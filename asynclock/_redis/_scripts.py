@@ -14,6 +14,12 @@ they live in one Redis Cluster slot)::
                          lease key as P{N} is (its attempt's void key holds "p<i>")
     P{N}:permits         a semaphore's index: slot -> server ms its permit expires at
     P{N}:limit           the limit a semaphore's permits are held with
+    P{N}:readers         shared leases' holders (lease(..., shared=True)) while more
+                         than one holds: sorted set, member "<token>:<fencing token>"
+                         -> server ms until which it lives; PX = its longest member's,
+                         and P{N} holds the marker "shared" with the same expiry (a
+                         reader alone holds P{N} itself: "shared:<token>:<fencing
+                         token>", PX = ttl)
     P{N}:released        pub/sub channel; release publishes on it to wake waiters
                          (the releaser's origin id)
     P{N}:released:<id>   pub/sub channel of the client with origin id <id>: a grant
@@ -71,6 +77,7 @@ __all__ = [
     "SEMAPHORE_ACQUIRE",
     "SHARED_ABANDON",
     "SHARED_ACQUIRE",
+    "SHARED_IS_OURS",
     "SHARED_RELEASE",
     "SHARED_RENEW",
     "SHARED_RENEW_HEAD",
@@ -903,90 +910,153 @@ return deleted
 
 
 # -- shared (read) leases ----------------------------------------------------------------
-# While shared leases hold a lock, its key holds the marker 'shared' (so an exclusive
-# ACQUIRE finds it taken, and waits) with an expiry no earlier than any of theirs; each
-# shared holder has a lease key of its own, '<lock key>:reader:<token>', and a member
-# in the sorted set '<lock key>:readers' (token -> server time in ms until which it
-# lives). The last one out deletes the marker and announces the release.
+# While shared leases hold a lock, its key holds a marker (so an exclusive ACQUIRE finds it
+# taken, and waits; no lease's value starts with 'shared', a token being hex digits):
+# - one reader alone: 'shared:<token>:<fencing token>' (its full value after 'shared:'),
+#   PX = its expiry; the lock's key is its hold, renewed and released as a lease key is
+#   (the uncontended cycle touches no other key);
+# - several: 'shared', and each reader is a member of the sorted set '<lock key>:readers':
+#   its value '<token>:<fencing token>' (what its holder knows: renew and release check
+#   ownership by the member itself) -> the server time in ms until which it lives. A
+#   reader that comes while another is alone moves that one into the set beside itself.
+#   The marker and the set live as long as the longest member, no longer: every script
+#   that adds or extends a member extends both to it (never shortens them), and a reader
+#   that leaves while it was the longest shortens both to the longest one left. So while
+#   the marker is there, the member that expires last has not: the last one out (the only
+#   member) knows it is live without reading the clock.
+# The last one out deletes the marker (and the set) and announces the release.
 
-# Drop the reader `token` (its key KEYS[1], already found ours) from KEYS[3]; the last one
-# out (no other reader, or only expired ones) deletes its key, the set and the marker
-# KEYS[2] (if `marker`, the marker's value read with the reader's key, is the marker) in
-# one DEL and announces it on ARGV[2] (ARGV[3]), else its key, `token` and expired
-# readers leave. Whether others are left is read from the two members that expire last,
-# before removing ours: the last one out (the uncontended release) removes nothing member
-# by member. The clock is read only when another reader is in the set.
-_SHARED_DROP = f"""local top = redis.call('ZRANGE', KEYS[3], -2, -1, 'WITHSCORES')
-local other = nil  -- (when the longest other reader expires)
+
+def _find_reader(readers: str) -> str:
+    """Lua: the member of the token ARGV[1] in the readers' set ``readers`` (a key), if
+    any, into ``member``, its expiry (server ms) into ``score``: ZSCAN for
+    '<token>:*', O(readers), run only for an acquire sent again after an outcome it did
+    not learn and for an abandoned attempt (the token is all they know)."""
+    return f"""local member, score = nil, nil
+local cursor = '0'
+repeat
+  local page = redis.call('ZSCAN', {readers}, cursor, 'MATCH', ARGV[1] .. ':*', 'COUNT', 1000)
+  cursor = page[1]
+  for i = 1, #page[2], 2 do
+    member, score = page[2][i], tonumber(page[2][i + 1])
+  end
+until cursor == '0' or member
+"""
+
+
+# Drop the reader `member` (its value; nil if not in the set) from the readers KEYS[1],
+# while the lock's key KEYS[2] holds the marker 'shared', with `top` read (ZRANGE -2 -1
+# WITHSCORES of KEYS[1]: the two members that expire last). Alone in the set, it is ours
+# (the marker lives no longer than the longest member: see above); then the marker and
+# the set go in one DEL and the release is announced on ARGV[2] (ARGV[3]), as it is when
+# the set holds no member (a marker nobody holds). With another member (the clock is read
+# only then) it is ours if it has not expired; if a live reader is left, `member` and the
+# expired ones leave, and if `member` was the longest the marker and the set are
+# shortened to the longest one left (PEXPIREAT: scores are server ms); else the last one
+# out goes as above. Returns 1 when `member` was ours (live), else 0.
+_SHARED_DROP = f"""local mine, other = nil, nil  -- (our expiry, the longest other's)
 for i = #top - 1, 1, -2 do
-  if top[i] ~= token then
+  if top[i] == member then
+    mine = tonumber(top[i + 1])
+  elseif not other then
     other = tonumber(top[i + 1])
-    break
   end
 end
-local now = nil
-if other then
-  local t = redis.call('TIME')
-  now = {_NOW_MS}
-end
-if now and other > now then
-  redis.call('DEL', KEYS[1])
-  redis.call('ZREM', KEYS[3], token)
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-elseif marker == 'shared' then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+if not other then
+  redis.call('DEL', KEYS[2], KEYS[1])
   redis.call('PUBLISH', ARGV[2], ARGV[3])
-else
-  redis.call('DEL', KEYS[1], KEYS[3])
+  return mine and 1 or 0
 end
-return 1
+local t = redis.call('TIME')
+local now = {_NOW_MS}
+if member and not mine then
+  mine = tonumber(redis.call('ZSCORE', KEYS[1], member))
+end
+if other > now then
+  if mine then
+    redis.call('ZREM', KEYS[1], member)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  if mine and mine > other then
+    redis.call('PEXPIREAT', KEYS[2], other)
+    redis.call('PEXPIREAT', KEYS[1], other)
+  end
+else
+  redis.call('DEL', KEYS[2], KEYS[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+end
+return (mine and mine > now) and 1 or 0
 """
 
 # SHARED_ACQUIRE: KEYS[1] the lock's key, KEYS[2] fence counter, KEYS[3] this attempt's
 # tombstone, KEYS[4] the lock's waiting hash (exclusive waiters, see ACQUIRE), KEYS[5] the
-# readers, KEYS[6] this reader's own key; ARGV[1] token, ARGV[2] ttl (ms), ARGV[3] fence
-# ttl (ms).
-# Returns {1, fencing token} when held by this token (new, or a retry of ours),
+# readers; ARGV[1] token, ARGV[2] ttl (ms), ARGV[3] fence ttl (ms), ARGV[4] '1' when an
+# earlier attempt with this token may have landed (its outcome unknown, or its grant
+# answered too late to use; absent: ''): only then is the token's member looked for in
+# the set (a reader alone is found in the lock's key by any attempt).
+# Returns {1, fencing token} when held by this token (new, or a retry of ours: its
+#           expiry renewed),
 #         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an exclusive
 #         waiter registered (shared holders let it in first),
 #         {-1, 0} when this attempt was abandoned (its tombstone exists).
-# The marker and the readers' set get the reader's expiry when the marker is new (the
-# first reader in: whatever else the set holds has expired), else only ever extended.
+# The first reader in writes only the lock's key; the second moves the first into the
+# set (scored with its key's expiry) beside itself, and the marker and the set live as
+# long as the longer of the two; later ones only ever extend them.
 SHARED_ACQUIRE = Script(
     "shared_acquire",
-    """local found = redis.call('MGET', KEYS[3], KEYS[6], KEYS[1])  -- (one read for three)
+    """local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lock's key)
 if found[1] then
   return {-1, 0}
 end
+local holder = found[2]
+local alone = nil  -- (the value of a reader alone in the lock's key)
+if holder and holder ~= 'shared' then
+  if string.sub(holder, 1, 7) ~= 'shared:' then
+    return {0, redis.call('PTTL', KEYS[1])}
+  end
+  alone = string.sub(holder, 8)
+  if string.sub(alone, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then  -- (a retry of ours)
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, tonumber(string.sub(alone, #ARGV[1] + 2))}
+  end
+end
 """
     + _NOW
-    + f"""local ttl = tonumber(ARGV[2])
-local current = found[2]
+    + """local ttl = tonumber(ARGV[2])
 local fence, text
-if {_held()} then
-  fence = {_FENCE_OF}
-  redis.call('PEXPIRE', KEYS[6], ttl)
-else
-  local holder = found[3]
-  if holder and holder ~= 'shared' then
-    return {{0, redis.call('PTTL', KEYS[1])}}
+if holder == 'shared' and ARGV[4] == '1' then
+"""
+    + _find_reader("KEYS[5]")
+    + """  if member and score > now then  -- (a retry of ours)
+    fence = tonumber(string.sub(member, #ARGV[1] + 2))
+    redis.call('ZADD', KEYS[5], now + ttl, member)
   end
+end
+if not fence then
   local waiting = redis.call('HGETALL', KEYS[4])
   for i = 2, #waiting, 2 do
     local until_ms = tonumber(string.match(waiting[i], '^%d+:(%d+)'))
     if until_ms and until_ms > now then
       local pttl = redis.call('PTTL', KEYS[1])
       if pttl < 0 or pttl > 1000 then pttl = 1000 end
-      return {{0, pttl}}
+      return {0, pttl}
     end
   end
 """
     + _MINT_AND_STORE_FENCE
-    + """redis.call('SET', KEYS[6], ARGV[1] .. ':' .. text, 'PX', ttl)
+    + """if not holder then  -- (the first reader in)
+    redis.call('SET', KEYS[1], 'shared:' .. ARGV[1] .. ':' .. text, 'PX', ttl)
+    return {1, fence}
+  end
+  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text)
 end
-redis.call('ZADD', KEYS[5], now + ttl, ARGV[1])
-if redis.call('SET', KEYS[1], 'shared', 'PX', ttl, 'NX') then
-  redis.call('PEXPIRE', KEYS[5], ttl)
+if alone then  -- the reader alone in the lock's key joins the set beside us
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl < 0 then pttl = ttl end
+  redis.call('ZADD', KEYS[5], now + pttl, alone)
+  local keep = math.max(pttl, ttl)
+  redis.call('SET', KEYS[1], 'shared', 'PX', keep)
+  redis.call('PEXPIRE', KEYS[5], keep)
 else
   redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
   redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
@@ -995,67 +1065,109 @@ return {1, fence}
 """,
 )
 
-# SHARED_RENEW: KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
-# ARGV[1] the reader's full value, ARGV[2] ttl (ms). Returns 1 when still ours (its key,
-# its member and the marker now live >= ttl), else 0 (also when an exclusive holder got
-# in: the marker was deleted from outside).
+# SHARED_RENEW: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
+# value, ARGV[2] ttl (ms). Returns 1 when still ours: alone in the lock's key (its expiry
+# now exactly ttl), or a member that had not expired (it, the set and the marker now live
+# >= ttl); else 0 (also when the marker is gone or an exclusive holder got in).
 SHARED_RENEW = Script(
     "shared_renew",
-    """local found = redis.call('MGET', KEYS[1], KEYS[2])
-local holder = found[2]
-if found[1] ~= ARGV[1] or (holder and holder ~= 'shared') then
+    """local holder = redis.call('GET', KEYS[2])
+if holder == 'shared:' .. ARGV[1] then
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return 1
+end
+if holder ~= 'shared' then
+  return 0
+end
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then
+  return 0
+end
+"""
+    + _NOW
+    + """if tonumber(score) <= now then
   return 0
 end
 local ttl = tonumber(ARGV[2])
-"""
-    + _NOW
-    + """redis.call('PEXPIRE', KEYS[1], ttl)
-redis.call('ZADD', KEYS[3], now + ttl, string.match(ARGV[1], '^([^:]*):'))
-if redis.call('PTTL', KEYS[3]) < ttl then
-  redis.call('PEXPIRE', KEYS[3], ttl)
-end
-if not holder then
-  redis.call('SET', KEYS[2], 'shared', 'PX', ttl)
-elseif redis.call('PTTL', KEYS[2]) < ttl then
-  redis.call('PEXPIRE', KEYS[2], ttl)
-end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
+redis.call('PEXPIRE', KEYS[2], ttl, 'GT')
 return 1
 """,
 )
 
-SHARED_RENEW_HEAD: Final = b"*8\r\n" + pack_args(("EVALSHA", SHARED_RENEW.sha, 3))
-"""The start of a packed SHARED_RENEW command; the reader's key, the lock's key, the
-readers' set, the reader's value and ttl (ms) follow."""
+SHARED_RENEW_HEAD: Final = b"*7\r\n" + pack_args(("EVALSHA", SHARED_RENEW.sha, 2))
+"""The start of a packed SHARED_RENEW command; the readers' set, the lock's key, the
+reader's value and ttl (ms) follow."""
 
-# SHARED_RELEASE: KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers;
-# ARGV[1] the reader's full value, ARGV[2] the release channel, ARGV[3] our origin id.
-# Returns 1 when our reader key was deleted (the marker too if we were the last), else 0.
-# (The reader's key and the marker are read in one MGET, and deleted in one DEL by the
-# last one out.)
-SHARED_RELEASE = Script(
-    "shared_release",
-    """local found = redis.call('MGET', KEYS[1], KEYS[2])
-if found[1] ~= ARGV[1] then
+# SHARED_IS_OURS: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
+# value. Returns 1 when it holds (alone in the lock's key, or a live member beside the
+# marker), else 0. Nothing is written (``Lease.is_held(verify=True)``).
+SHARED_IS_OURS = Script(
+    "shared_is_ours",
+    """local holder = redis.call('GET', KEYS[2])
+if holder == 'shared:' .. ARGV[1] then
+  return 1
+end
+if holder ~= 'shared' then
   return 0
 end
-local token, marker = string.match(ARGV[1], '^([^:]*):'), found[2]
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then
+  return 0
+end
+"""
+    + _NOW
+    + """if tonumber(score) > now then
+  return 1
+end
+return 0
+""",
+)
+
+# SHARED_RELEASE: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
+# value, ARGV[2] the release channel, ARGV[3] our origin id.
+# Returns 1 when our hold was given back (the marker deleted and the release announced
+# if we were the last), else 0. (A reader alone runs GET, DEL and PUBLISH, as a mutex.)
+SHARED_RELEASE = Script(
+    "shared_release",
+    """local marker = redis.call('GET', KEYS[2])
+if marker == 'shared:' .. ARGV[1] then
+  redis.call('DEL', KEYS[2])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  return 1
+end
+if marker ~= 'shared' then
+  return 0
+end
+local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
+local member = ARGV[1]
 """
     + _SHARED_DROP,
 )
 
 # SHARED_ABANDON: undo a shared acquire attempt that may have landed, and stop it from
-# landing later. KEYS[1] this reader's key, KEYS[2] the lock's key, KEYS[3] the readers,
-# KEYS[4] the attempt's tombstone; ARGV[1] token, ARGV[2] the release channel, ARGV[3] our
-# origin id, ARGV[4] tombstone ttl (ms). Returns 1 if it gave a shared hold back.
+# landing later. KEYS[1] the readers, KEYS[2] the lock's key, KEYS[3] the attempt's
+# tombstone; ARGV[1] token, ARGV[2] the release channel, ARGV[3] our origin id, ARGV[4]
+# tombstone ttl (ms). Returns 1 if it gave a shared hold back.
 SHARED_ABANDON = Script(
     "shared_abandon",
-    f"""redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
-local found = redis.call('MGET', KEYS[1], KEYS[2])
-local current, marker = found[1], found[2]
-local token = ARGV[1]
-if not {_held()} then
+    """redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+local marker = redis.call('GET', KEYS[2])
+if marker and string.sub(marker, 1, #ARGV[1] + 8) == 'shared:' .. ARGV[1] .. ':' then
+  redis.call('DEL', KEYS[2])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  return 1
+end
+if marker ~= 'shared' then
   return 0
 end
+"""
+    + _find_reader("KEYS[1]")
+    + """if not member then
+  return 0
+end
+local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
 """
     + _SHARED_DROP,
 )
@@ -1065,18 +1177,23 @@ end
 # written). KEYS[1] the lock's key, KEYS[2] its readers, KEYS[3] its permits' limit,
 # KEYS[4] its waiting hash, KEYS[5] its fair queue, KEYS[6] the queue's liveness hash,
 # KEYS[7] its permits' index (see SEMAPHORE_ACQUIRE).
-# Returns {pttl of the lock's key (-2: none), 1 if it holds the shared marker, live
-# readers, the permits' limit (0: none), permits held, clients registered waiting, live
-# queued waiters}.
+# Returns {pttl of the lock's key (-2: none), 1 if it holds a shared marker, live
+# readers (a reader alone in the lock's key counted), the permits' limit (0: none),
+# permits held, clients registered waiting, live queued waiters}.
 STATISTICS = Script(
     "statistics",
     _NOW
     + """local pttl = redis.call('PTTL', KEYS[1])
 local shared = 0
-if pttl ~= -2 and redis.call('GET', KEYS[1]) == 'shared' then
-  shared = 1
-end
 local readers = redis.call('ZCOUNT', KEYS[2], '(' .. now, '+inf')
+if pttl ~= -2 then
+  local value = redis.call('GET', KEYS[1])
+  if value == 'shared' then
+    shared = 1
+  elseif value and string.sub(value, 1, 7) == 'shared:' then  -- (a reader alone)
+    shared, readers = 1, readers + 1
+  end
+end
 local limit = tonumber(redis.call('GET', KEYS[3]) or '0')
 local permits = redis.call('ZCOUNT', KEYS[7], '(' .. now, '+inf')
 local function live(hash, pattern)  -- entries of `hash` whose time (ms) is still ahead
