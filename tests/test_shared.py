@@ -15,13 +15,23 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 from helpers import wait_until
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import asynclock
 from asynclock import LockBusy, LockLost, LossReason
+from asynclock._redis._scripts import (
+    SHARED_ABANDON,
+    SHARED_ACQUIRE,
+    SHARED_IS_OURS,
+    SHARED_RELEASE,
+    SHARED_RENEW,
+    Script,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,3 +244,138 @@ async def test_a_task_holding_a_shared_lease_cannot_take_the_lock_again(
             await asynclock.acquire(client, "again", ttl=5, prefix=prefix)
         with pytest.raises(RuntimeError, match="not re-entrant"):
             await asynclock.acquire(client, "again", shared=True, ttl=5, prefix=prefix)
+
+
+# -- the scripts, one by one ---------------------------------------------------------------
+
+_TTL, _FENCE_TTL = 5000, 60_000
+
+
+def _text(value: object) -> object:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _attempt_keys(prefix: str, token: str) -> list[str]:
+    base = prefix + "{scripts}"
+    return [base, base + ":fence", f"{base}:void:{token}", base + ":waiting", base + ":readers"]
+
+
+async def test_the_shared_scripts_keep_the_contract(client: Redis, prefix: str) -> None:
+    """A reader alone holds the lock's key; a second one moves it into the readers' set
+    beside itself; a retry answers with the same fencing token (alone: always; as a
+    member: when it says it may have landed); renew and release check the full value;
+    the longest reader leaving shortens the marker and the set to the one left; the last
+    one out deletes them; every key has an expiry."""
+    a, b = "a" * 32, "b" * 32
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    hold = [readers, base]
+    ok, fa = await SHARED_ACQUIRE(client, _attempt_keys(prefix, a), [a, _TTL, _FENCE_TTL])
+    assert ok == 1
+    assert _text(await client.get(base)) == f"shared:{a}:{fa}"
+    assert not await client.exists(readers)
+    again = await SHARED_ACQUIRE(client, _attempt_keys(prefix, a), [a, _TTL, _FENCE_TTL])
+    assert again == [1, fa]
+    va = f"{a}:{fa}"
+    assert await SHARED_RENEW(client, hold, [va, _TTL]) == 1
+    assert await SHARED_IS_OURS(client, hold, [va]) == 1
+    assert await SHARED_IS_OURS(client, hold, [f"{a}:{fa + 1}"]) == 0
+    ok, fb = await SHARED_ACQUIRE(client, _attempt_keys(prefix, b), [b, 8000, _FENCE_TTL])
+    assert ok == 1
+    assert fb > fa
+    vb = f"{b}:{fb}"
+    assert _text(await client.get(base)) == "shared"
+    assert {_text(m) for m in await client.zrange(readers, 0, -1)} == {va, vb}
+    for key in (base, readers):
+        assert 7000 < await client.pttl(key) <= 8000
+    again = await SHARED_ACQUIRE(client, _attempt_keys(prefix, a), [a, _TTL, _FENCE_TTL, "1"])
+    assert again == [1, fa]
+    assert await client.zcard(readers) == 2
+    assert await SHARED_RENEW(client, hold, [va, _TTL]) == 1
+    assert await SHARED_RENEW(client, hold, [f"{a}:{fa + 1}", _TTL]) == 0
+    assert await SHARED_IS_OURS(client, hold, [vb]) == 1
+    assert await SHARED_RELEASE(client, hold, [vb, "channel", "me"]) == 1  # (the longest)
+    assert _text(await client.get(base)) == "shared"
+    for key in (base, readers):
+        assert 0 < await client.pttl(key) <= _TTL
+    assert await SHARED_RELEASE(client, hold, [vb, "channel", "me"]) == 0
+    assert await SHARED_RENEW(client, hold, [vb, _TTL]) == 0
+    assert await SHARED_RELEASE(client, hold, [va, "channel", "me"]) == 1
+    assert not await client.exists(base, readers)
+
+
+async def test_an_abandoned_shared_attempt_is_given_back_and_never_lands(
+    client: Redis, prefix: str
+) -> None:
+    """Alone (the lock's key) and as a member: SHARED_ABANDON gives the hold back and
+    leaves a tombstone that refuses the attempt arriving later."""
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    c, d, e = "c" * 32, "d" * 32, "e" * 32
+    keys_c = _attempt_keys(prefix, c)
+    assert (await SHARED_ACQUIRE(client, keys_c, [c, _TTL, _FENCE_TTL]))[0] == 1
+    undo = [readers, base, keys_c[2]]
+    assert await SHARED_ABANDON(client, undo, [c, "channel", "me", 10_000]) == 1
+    assert not await client.exists(base)
+    assert await SHARED_ACQUIRE(client, keys_c, [c, _TTL, _FENCE_TTL]) == [-1, 0]
+    assert await SHARED_ACQUIRE(client, keys_c, [c, _TTL, _FENCE_TTL, "1"]) == [-1, 0]
+    _, fe = await SHARED_ACQUIRE(client, _attempt_keys(prefix, e), [e, _TTL, _FENCE_TTL])
+    keys_d = _attempt_keys(prefix, d)
+    assert (await SHARED_ACQUIRE(client, keys_d, [d, _TTL, _FENCE_TTL]))[0] == 1
+    undo = [readers, base, keys_d[2]]
+    assert await SHARED_ABANDON(client, undo, [d, "channel", "me", 10_000]) == 1
+    assert await SHARED_ABANDON(client, undo, [d, "channel", "me", 10_000]) == 0
+    assert [_text(m) for m in await client.zrange(readers, 0, -1)] == [f"{e}:{fe}"]
+    assert _text(await client.get(base)) == "shared"
+    assert await SHARED_RELEASE(client, [readers, base], [f"{e}:{fe}", "channel", "me"]) == 1
+    assert not await client.exists(base, readers)
+
+
+async def test_an_expired_readers_late_release_leaves_the_writer_alone(
+    client: Redis, prefix: str
+) -> None:
+    """A reader alone, and one of two, whose holds expired: their release answers 0 and
+    never deletes an exclusive holder's key that got in since."""
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    hold = [readers, base]
+    f, g = "f" * 32, "0" * 32
+    _, ff = await SHARED_ACQUIRE(client, _attempt_keys(prefix, f), [f, 50, _FENCE_TTL])
+    _, fg = await SHARED_ACQUIRE(client, _attempt_keys(prefix, g), [g, 60, _FENCE_TTL])
+    await asyncio.sleep(0.12)
+    assert not await client.exists(base, readers)
+    await client.set(base, "1" * 32 + ":7", px=5000)  # (an exclusive holder got in)
+    assert await SHARED_RELEASE(client, hold, [f"{f}:{ff}", "channel", "me"]) == 0
+    assert await SHARED_RENEW(client, hold, [f"{g}:{fg}", _TTL]) == 0
+    assert await SHARED_RELEASE(client, hold, [f"{g}:{fg}", "channel", "me"]) == 0
+    assert _text(await client.get(base)) == "1" * 32 + ":7"
+
+
+async def test_a_shared_acquire_whose_reply_was_lost_is_sent_again_and_finds_its_hold(
+    client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside two readers (the readers' set), an acquire whose script ran but whose reply
+    was lost: the engine sends it again saying so, and the script answers with the
+    fencing token the first run minted; one member per reader, none left after."""
+    others = [
+        await asynclock.acquire(client, "lost-reply", shared=True, ttl=5, prefix=prefix)
+        for _ in range(2)
+    ]
+    real = Script.__call__
+    lost: list[object] = []
+
+    async def lose_the_first_reply(self: Script, *args: object, **kwargs: object) -> object:
+        reply = await real(self, *args, **kwargs)  # type: ignore[arg-type]
+        if self is SHARED_ACQUIRE and not lost:
+            lost.append(reply)
+            raise RedisConnectionError("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(Script, "__call__", lose_the_first_reply)
+    readers = prefix + "{lost-reply}:readers"
+    async with asynclock.lease(client, "lost-reply", shared=True, ttl=5, prefix=prefix) as held:
+        assert lost
+        assert cast(list[int], lost[0])[1] == held.fencing_token
+        assert await client.zcard(readers) == 3
+        assert await held.is_held(verify=True)
+    monkeypatch.undo()
+    for other in others:
+        await other.release()
+    assert not await client.exists(prefix + "{lost-reply}", readers)
