@@ -3,7 +3,7 @@
 
 Design note. Everything here reads or deletes keys from outside the lease lifecycle. A
 forced release deletes the lock's holder keys (its key, a semaphore's permits, the shared
-holders' keys and set) and announces a release on the lock's channel, so waiters try at
+holders' set) and announces a release on the lock's channel, so waiters try at
 once; it never deletes the fencing counter, so tokens keep rising. A holder finds out at
 its next renewal (within a third of its TTL): ``LockLost(not_owner)``, its block
 cancelled, as after any loss of its key.
