@@ -58,7 +58,7 @@ class LockInfo:
     """The lock's auxiliary keys that exist, by suffix (``fence``, ``waiting``, ``queue``,
     ``queue:alive``, ``readers``, ``limit``, ``permits``, ``result``), each with the
     seconds before it expires (None: no expiry). Short-lived per-holder keys (tombstones,
-    shared holders' keys, tick marks of ``every``) are not listed."""
+    tick marks of ``every``) are not listed."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, for JSON."""
