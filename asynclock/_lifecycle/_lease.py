@@ -615,7 +615,9 @@ class Lease:
 
     @property
     def key(self) -> str:
-        """The Redis key holding the lease."""
+        """The Redis key holding the lease (a shared lease's: the lock's set of readers,
+        which holds it as a member ``<token>:<fencing token>`` while others hold too; a
+        reader alone is held by the lock's key itself)."""
         return self._tenure.options.key
 
     @property
