@@ -55,10 +55,10 @@ async def statistics(redis: Client, name: str, *, prefix: str = "asynclock:") ->
     keys = [
         base,
         options.readers_key,
-        base + ":limit",
+        options.limit_key,
         options.waiting_key,
-        base + ":queue",
-        base + ":queue:alive",
+        options.queue_key,
+        options.alive_key,
         options.permits_key,
     ]
     if is_cluster(redis):  # (the lock's node: see _redis/_cluster)

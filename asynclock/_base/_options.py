@@ -252,6 +252,21 @@ class LeaseOptions:
         return self.base_key + ":permits"
 
     @property
+    def limit_key(self) -> str:
+        """The limit a semaphore's permits are held with."""
+        return self.base_key + ":limit"
+
+    @property
+    def queue_key(self) -> str:
+        """A fair lock's queue of waiters (see ``FAIR_ACQUIRE``)."""
+        return self.base_key + ":queue"
+
+    @property
+    def alive_key(self) -> str:
+        """A fair lock's hash of its queued waiters' liveness (see ``FAIR_ACQUIRE``)."""
+        return self.base_key + ":queue:alive"
+
+    @property
     def readers_key(self) -> str:
         """The sorted set of a lock's shared holders ("<token>:<fencing token>" -> until,
         server ms)."""
@@ -282,17 +297,16 @@ class LeaseOptions:
     @property
     def waiting_key(self) -> str:
         """The hash in which blocking waits register their client (see ``HANDOFF``)."""
-        return self.key + ":waiting"
+        return self.base_key + ":waiting"
 
     def acquire_keys(self, token: str) -> list[str]:
         """The ACQUIRE script's keys for an attempt made with ``token``: the lease, the
         fence counter, the attempt's tombstone and the waiting hash (one format of the key)."""
-        key = self.key
-        return [key, key + ":fence", f"{key}:void:{token}", key + ":waiting"]
+        return [self.key, self.fence_key, self.void_key(token), self.waiting_key]
 
     def void_key(self, token: str) -> str:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""
-        return f"{self.key}:void:{token}"
+        return f"{self.base_key}:void:{token}"
 
     @property
     def tombstone_ms(self) -> int:

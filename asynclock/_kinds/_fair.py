@@ -45,13 +45,12 @@ class Fair(Kind):
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """A waiting attempt (``turn``) joins (or stays in) the queue."""
         options = self._options
-        base = options.base_key
         keys = [
             options.key,
             options.fence_key,
-            f"{base}:void:{token}",
-            base + ":queue",
-            base + ":queue:alive",
+            options.void_key(token),
+            options.queue_key,
+            options.alive_key,
         ]
         args: list[Arg] = [
             token,
@@ -81,6 +80,5 @@ class Fair(Kind):
     def undo(self, token: str, origin: str) -> Request:
         """Leave the queue, and undo an attempt that may have taken the lock."""
         options = self._options
-        base = options.base_key
-        keys = [options.key, f"{base}:void:{token}", base + ":queue", base + ":queue:alive"]
+        keys = [options.key, options.void_key(token), options.queue_key, options.alive_key]
         return Request(FAIR_LEAVE, keys, [token, options.tombstone_ms, options.channel, origin])

@@ -48,9 +48,13 @@ class Permits(Kind):
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         options = self._options
-        base = options.base_key
-        keys = [base + ":limit", options.fence_key, f"{base}:void:{token}", base]
-        keys.append(options.permits_key)
+        keys = [
+            options.limit_key,
+            options.fence_key,
+            options.void_key(token),
+            options.base_key,
+            options.permits_key,
+        ]
         return Request(
             SEMAPHORE_ACQUIRE, keys, [token, options.ttl_ms, options.fence_ttl_ms, options.limit]
         )
@@ -77,7 +81,7 @@ class Permits(Kind):
 
     def undo(self, token: str, origin: str) -> Request:
         options = self._options
-        keys = [f"{options.base_key}:void:{token}", options.permits_key, options.base_key]
+        keys = [options.void_key(token), options.permits_key, options.base_key]
         return Request(
             SEMAPHORE_ABANDON, keys, [token, options.tombstone_ms, options.channel, origin]
         )

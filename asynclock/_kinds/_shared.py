@@ -39,11 +39,10 @@ class Shared(Kind):
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         options = self._options
-        base = options.base_key
         keys = [
-            base,
+            options.base_key,
             options.fence_key,
-            f"{base}:void:{token}",
+            options.void_key(token),
             options.waiting_key,
             options.readers_key,
         ]
@@ -66,6 +65,5 @@ class Shared(Kind):
 
     def undo(self, token: str, origin: str) -> Request:
         options = self._options
-        base = options.base_key
-        keys = [options.readers_key, base, f"{base}:void:{token}"]
+        keys = [options.readers_key, options.base_key, options.void_key(token)]
         return Request(SHARED_ABANDON, keys, [token, options.channel, origin, options.tombstone_ms])
