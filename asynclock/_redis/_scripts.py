@@ -1065,17 +1065,16 @@ return {1, fence}
 """,
 )
 
-# SHARED_RENEW: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
-# value, ARGV[2] ttl (ms). Returns 1 when still ours: alone in the lock's key (its expiry
-# now exactly ttl), or a member that had not expired (it, the set and the marker now live
-# >= ttl); else 0 (also when the marker is gone or an exclusive holder got in).
-SHARED_RENEW = Script(
-    "shared_renew",
-    """local holder = redis.call('GET', KEYS[2])
+
+def _live_reader(alone: str) -> str:
+    """Lua: return 0 unless the reader of value ARGV[1] holds, with the readers' set
+    KEYS[1] and the lock's key KEYS[2]; ``alone`` runs (and returns) when it is alone in
+    the lock's key. Past it, it is a live member of the set beside the marker, and
+    ``now`` is the server's time in ms."""
+    return (
+        f"""local holder = redis.call('GET', KEYS[2])
 if holder == 'shared:' .. ARGV[1] then
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  return 1
-end
+{alone}end
 if holder ~= 'shared' then
   return 0
 end
@@ -1084,11 +1083,22 @@ if not score then
   return 0
 end
 """
-    + _NOW
-    + """if tonumber(score) <= now then
+        + _NOW
+        + """if tonumber(score) <= now then
   return 0
 end
-local ttl = tonumber(ARGV[2])
+"""
+    )
+
+
+# SHARED_RENEW: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
+# value, ARGV[2] ttl (ms). Returns 1 when still ours: alone in the lock's key (its expiry
+# now exactly ttl), or a member that had not expired (it, the set and the marker now live
+# >= ttl); else 0 (also when the marker is gone or an exclusive holder got in).
+SHARED_RENEW = Script(
+    "shared_renew",
+    _live_reader("  redis.call('PEXPIRE', KEYS[2], ARGV[2])\n  return 1\n")
+    + """local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
 redis.call('PEXPIRE', KEYS[2], ttl, 'GT')
@@ -1103,27 +1113,7 @@ reader's value and ttl (ms) follow."""
 # SHARED_IS_OURS: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
 # value. Returns 1 when it holds (alone in the lock's key, or a live member beside the
 # marker), else 0. Nothing is written (``Lease.is_held(verify=True)``).
-SHARED_IS_OURS = Script(
-    "shared_is_ours",
-    """local holder = redis.call('GET', KEYS[2])
-if holder == 'shared:' .. ARGV[1] then
-  return 1
-end
-if holder ~= 'shared' then
-  return 0
-end
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score then
-  return 0
-end
-"""
-    + _NOW
-    + """if tonumber(score) > now then
-  return 1
-end
-return 0
-""",
-)
+SHARED_IS_OURS = Script("shared_is_ours", _live_reader("  return 1\n") + "return 1\n")
 
 # SHARED_RELEASE: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
 # value, ARGV[2] the release channel, ARGV[3] our origin id.
