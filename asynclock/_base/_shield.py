@@ -17,15 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
-__all__ = ["ExcType", "Traceback", "cancel_dropped", "cancelling", "finish", "finish_idempotent"]
+__all__ = [
+    "ExcType",
+    "Repeatable",
+    "Traceback",
+    "cancel_dropped",
+    "cancelling",
+    "finish",
+    "finish_idempotent",
+]
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 ExcType = type[BaseException] | None
 """The exception type an ``__aexit__`` is given (None: its block finished)."""
@@ -80,12 +89,16 @@ async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:
     return task.result()
 
 
-async def finish_idempotent(
-    operation: Callable[[bool], Coroutine[Any, Any, T]], limit: float, *, shield: bool = True
-) -> T:
+class Repeatable(Protocol[T_co]):
+    """An operation that is safe to repeat: ``first`` is True for its first run, False
+    for a run that repeats it (whose answer may only reflect what the first run did)."""
+
+    def __call__(self, *, first: bool) -> Coroutine[Any, Any, T_co]: ...
+
+
+async def finish_idempotent(operation: Repeatable[T], limit: float, *, shield: bool = True) -> T:
     """:func:`finish` for an operation that is safe to repeat, without a task of its own;
-    it is called with True for its first run, False for the run that repeats it (whose
-    answer may only reflect what the first run did).
+    it is called with ``first=True``, and ``first=False`` for a run that repeats it.
 
     The operation runs in the caller's task, under a shielded scope (anyio cancellations
     wait) unless ``shield`` is False because the caller already runs in one. The
@@ -102,12 +115,12 @@ async def finish_idempotent(
     try:
         if shield:
             with anyio.CancelScope(shield=True):
-                result = await operation(True)
+                result = await operation(first=True)
         else:
-            result = await operation(True)
+            result = await operation(first=True)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception, asyncio.CancelledError):
-            await finish(operation(False), max(deadline - loop.time(), 0.001))
+            await finish(operation(first=False), max(deadline - loop.time(), 0.001))
         raise
     if task is not None and task.cancelling() > before:  # (see cancel_dropped)
         raise asyncio.CancelledError

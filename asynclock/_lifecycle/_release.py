@@ -158,7 +158,7 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     deadline = companion.loop.time() + limit
     full = [held.owner(), *args, options.channel, companion.room.origin]
 
-    async def store(first: bool) -> tuple[object, bool]:
+    async def store(*, first: bool) -> tuple[object, bool]:
         reply, definitive = await _send(held, STORE, keys, full, deadline)
         return reply, first and definitive
 
@@ -194,8 +194,8 @@ class _Outcome(enum.Enum):
 
 async def _send_release(
     held: Held,
-    first: bool,
     *,
+    first: bool,
     keep_ms: int,
     successor: Waiter | None,
     behind: Waiter | None,
