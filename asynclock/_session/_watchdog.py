@@ -344,22 +344,16 @@ class Watchdog:
             if self._locate is not None:  # (t_send stays before it: the earlier, the safer)
                 await self._locate((t_send + limit_at) / 2)
             replies = await exchange(client, packed, count)
-            for index in reversed(asked):
-                del replies[index]
-            forgotten = {
-                lease.renew_script.source: None
-                for lease, reply in zip(batch, replies[: len(batch)], strict=True)
-                if isinstance(reply, NoScriptError)
-            }
-            if forgotten:
-                # A restarted or failed-over server forgot the scripts: load them, resend.
+            if any(isinstance(reply, NoScriptError) for reply in replies):
+                # A restarted or failed-over server forgot the scripts: load the batch's
+                # (each once), resend.
                 with connection_errors():  # (a dropped connection, on some Pythons)
-                    for source in forgotten:
+                    for source in {lease.renew_script.source: None for lease in batch}:
                         await client.script_load(source)
                 t_send = loop.time()
                 replies = await exchange(client, packed, count)
-                for index in reversed(asked):
-                    del replies[index]
+        for index in reversed(asked):
+            del replies[index]
         if not wanted:
             return t_send, replies, _NONE_ASKED
         last = replies[-1]
