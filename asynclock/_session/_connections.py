@@ -140,13 +140,13 @@ class Companion:
     def unretain(self) -> bool:
         """Count one less; True when nothing uses it any more and it should be closed."""
         self._users -= 1
-        if self._users == 0:
-            self.watchdog.idle()
+        if self._users:
+            return False
+        self.watchdog.idle()
         check = self._eviction_check
         checking = check is not None and not check.done()
         clients = self._renewer is not None or self._overflow is not None
-        busy = clients or self.room.open or self.watchdog.running or checking
-        return self._users == 0 and busy
+        return clients or self.room.open or self.watchdog.running or checking
 
     def check_not_holding(self, key: str, name: str) -> None:
         """Raise ``RuntimeError`` if the current task is inside a block or a guard of the
