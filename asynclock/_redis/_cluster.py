@@ -38,6 +38,7 @@ through ``_valkey.redis_errors``, so that what it raises is redis-py's classes a
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from typing import Any, Final
 
@@ -85,16 +86,11 @@ class _Closing:
             await super().release(connection)  # type: ignore[misc]
 
 
-_NODE_POOLS: dict[type[Any], type[Any]] = {}  # a library's pool class -> its node pool class
-
-
-def _node_pool(cluster: RedisCluster) -> type[Any]:
-    """The node pool class of the library ``cluster`` is from (redis-py or valkey-py)."""
-    base = family_of(cluster).pool
-    pool = _NODE_POOLS.get(base)
-    if pool is None:
-        pool = _NODE_POOLS[base] = type("_NodePool", (_Closing, base), {})
-    return pool
+@functools.cache
+def _node_pool(base: type[Any]) -> type[Any]:
+    """The node pool class made of a library's pool class ``base`` (redis-py's or
+    valkey-py's, see ``_valkey.Family``), made once per library."""
+    return type("_NodePool", (_Closing, base), {})
 
 
 async def node_client(cluster: RedisCluster, key: str) -> Redis:
@@ -126,10 +122,7 @@ def holding_of(cluster: RedisCluster) -> dict[Any, int]:
     """The register of blocks and guards open of ``cluster``'s locks, shared by the
     companions of all its nodes (``Companion._holding``): a lock belongs to a slot, and
     a slot moves between nodes while a block of it is open."""
-    holding: dict[Any, int] | None = getattr(cluster, _HOLDING, None)
-    if holding is None:
-        holding = {}
-        setattr(cluster, _HOLDING, holding)
+    holding: dict[Any, int] = vars(cluster).setdefault(_HOLDING, {})
     return holding
 
 
@@ -170,15 +163,12 @@ def _make(
     max_connections: int,
     settings: dict[str, Any],
 ) -> Redis:
-    clients: dict[str, Redis] | None = getattr(cluster, _NODES, None)
-    if clients is None:
-        clients = {}
-        setattr(cluster, _NODES, clients)
-    pool = _node_pool(cluster)(
+    family = family_of(cluster)
+    pool = _node_pool(family.pool)(
         connection_class=connection_class, max_connections=max_connections, **settings
     )
-    client: Redis = family_of(cluster).client(connection_pool=pool)
-    clients[name] = client
+    client: Redis = family.client(connection_pool=pool)
+    vars(cluster).setdefault(_NODES, {})[name] = client
     setattr(client, _CLUSTER, weakref.ref(cluster))
     mark_sharded(client)
     return client
@@ -197,7 +187,8 @@ async def reload_slots(cluster: RedisCluster) -> None:
         cluster, _RELOADING, None
     )
     if running is None or running[0] is not loop or running[1].done():
-        task = loop.create_task(_reload(cluster), name="asynclock-slot-map")
+        reload = redis_errors(cluster.nodes_manager.initialize())
+        task = loop.create_task(reload, name="asynclock-slot-map")
         task.add_done_callback(_retrieved)  # (its error is its callers', if any are left)
         running = (loop, task)
         setattr(cluster, _RELOADING, running)
@@ -205,10 +196,6 @@ async def reload_slots(cluster: RedisCluster) -> None:
 
 
 _RELOADING: Final = "_asynclock_reloading"  # on a cluster client: (loop, its reload)
-
-
-async def _reload(cluster: RedisCluster) -> None:
-    await redis_errors(cluster.nodes_manager.initialize())
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import inspect
 import os
@@ -54,21 +55,16 @@ __all__ = [
 
 # -- pools -----------------------------------------------------------------------------
 
-_NEEDS_COMMAND_NAME: dict[type[Any], bool] = {}
-
 
 def get_connection(pool: Any) -> Awaitable[Any]:
     """``pool.get_connection()``, with the command name that redis-py before 5.3 requires
     (only for a pool class whose method requires one: later ones warn about it)."""
-    cls = type(pool)
-    needs = _NEEDS_COMMAND_NAME.get(cls)
-    if needs is None:
-        needs = _NEEDS_COMMAND_NAME[cls] = _requires_first_argument(cls.get_connection)
-    if needs:
+    if _requires_first_argument(type(pool).get_connection):
         return pool.get_connection("EVALSHA")  # type: ignore[no-any-return]
     return pool.get_connection()  # type: ignore[no-any-return]
 
 
+@functools.cache  # (worked out once per pool class's method)
 def _requires_first_argument(method: Any) -> bool:
     try:
         parameters = list(inspect.signature(method).parameters.values())[1:]  # (self)
@@ -105,7 +101,6 @@ def as_max_connections_error(error: BaseException) -> BaseException:
 
 # -- connection settings ---------------------------------------------------------------
 
-_ACCEPTED: dict[type[Any], frozenset[str] | None] = {}
 _CLIENT_INFO: Final = ("driver_info", "lib_name", "lib_version")
 
 
@@ -113,10 +108,7 @@ def fit_settings(connection_class: type[Any], settings: Mapping[str, Any]) -> di
     """``settings`` for new connections of ``connection_class``: only what its
     ``__init__`` accepts, and with ``CLIENT SETINFO`` turned off (no handshake round trips
     beyond AUTH/SELECT) the way this redis-py understands."""
-    if connection_class in _ACCEPTED:
-        accepted = _ACCEPTED[connection_class]
-    else:
-        accepted = _ACCEPTED[connection_class] = _accepted_by(connection_class)
+    accepted = _accepted_by(connection_class)  # type: ignore[arg-type]  # (a class is hashable)
     fitted = {key: value for key, value in settings.items() if key not in _CLIENT_INFO}
     if accepted is None:  # (a class whose settings cannot be known: the current API)
         fitted["driver_info"] = None
@@ -129,10 +121,11 @@ def fit_settings(connection_class: type[Any], settings: Mapping[str, Any]) -> di
     return fitted
 
 
+@functools.cache
 def _accepted_by(connection_class: type[Any]) -> frozenset[str] | None:
     """The keyword arguments that ``connection_class(...)`` accepts: the ``__init__``
     parameters along its MRO down to the first ``__init__`` without ``**kwargs``; None
-    if that cannot be known."""
+    if that cannot be known (worked out once per class)."""
     names: set[str] = set()
     for cls in connection_class.__mro__:
         init = cls.__dict__.get("__init__")

@@ -173,9 +173,7 @@ class Lane:
         """:func:`_round_trip`, ended by loop time ``ends`` with ``TimeoutError`` as
         ``asyncio.timeout_at(ends)`` would end it, on the shared timer (see the note)."""
         task = asyncio.current_task()
-        if task is None:  # (not in a task: asyncio.timeout_at says what it says then)
-            async with asyncio.timeout_at(ends):
-                return await _round_trip(connection, packed, count)
+        assert task is not None  # (asyncio runs every coroutine it awaits in a task)
         bound = _Bound(task, ends)
         try:
             self._bounds.add(bound)

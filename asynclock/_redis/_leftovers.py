@@ -43,11 +43,8 @@ def pool_connections(pool: Any) -> list[Any]:
 
 
 def _members(pool: Any, attribute: str) -> Iterable[Any]:
-    members = getattr(pool, attribute, None)
-    if members is None:
-        return ()
     try:
-        return list(members)
+        return list(getattr(pool, attribute, None) or ())
     except TypeError:  # (a pool class that keeps them otherwise: nothing to do)
         return ()
 

@@ -86,7 +86,6 @@ __all__ = [
     "UNKNOWN_OUTCOME",
     "Arg",
     "Script",
-    "encoding_of",
     "pack",
     "pack_args",
     "run_idempotent",
@@ -220,11 +219,9 @@ async def _send(
     if isinstance(target, Lane):
         reply = await target.call(packed, deadline, count)
         return cast(list[object], reply)[-1] if asking else reply
-    if deadline is not None:
-        async with asyncio.timeout_at(deadline):
-            replies = await exchange(target, packed, count)
-        return replies[-1]
-    return (await exchange(target, packed, count))[-1]
+    async with asyncio.timeout_at(deadline):  # (None: no limit)
+        replies = await exchange(target, packed, count)
+    return replies[-1]
 
 
 ASKING: Final = pack(("ASKING",), "utf-8", "strict")

@@ -25,6 +25,7 @@ redis-py's classes as well (``ValkeyClusterException`` as ``RedisClusterExceptio
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Awaitable
@@ -45,7 +46,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_BOTH: dict[type[BaseException], type[BaseException]] = {}
 _NONE: Final[tuple[type[BaseException], ...]] = ()
 
 
@@ -78,9 +78,7 @@ def as_redis_error(error: BaseException) -> BaseException:
     errors = valkey_errors()
     if not errors or not isinstance(error, errors) or isinstance(error, _REDIS_ERRORS):
         return error
-    both = _BOTH.get(type(error))
-    if both is None:
-        both = _BOTH[type(error)] = _both(type(error))
+    both = _both(type(error))  # type: ignore[arg-type]  # (a class is hashable)
     translated: Any
     try:  # (redis-py's __init__ sets attributes of its own: error_type, status_code)
         translated = both(*error.args)
@@ -94,8 +92,10 @@ def as_redis_error(error: BaseException) -> BaseException:
     return translated.with_traceback(error.__traceback__)  # type: ignore[no-any-return]
 
 
+@functools.cache
 def _both(cls: type[BaseException]) -> type[BaseException]:
-    """The class deriving from redis-py's counterpart of ``cls`` and from ``cls``."""
+    """The class deriving from redis-py's counterpart of ``cls`` and from ``cls`` (made
+    once per class)."""
     counterpart: type[BaseException] = redis.exceptions.RedisError
     for base in cls.__mro__:
         found = getattr(redis.exceptions, base.__name__.replace("Valkey", "Redis"), None)
@@ -146,21 +146,16 @@ class Family:
         return retry.Retry(backoff.NoBackoff(), 0)
 
 
-_FAMILIES: dict[str, Family] = {}
-
-
 def family_of(client: object) -> Family:
     """The :class:`Family` of ``client`` (a redis-py or valkey-py asyncio client)."""
     return family_named("valkey" if type(client).__module__.startswith("valkey.") else "redis")
 
 
+@functools.cache
 def family_named(root: str) -> Family:
     """The :class:`Family` of the library ``root`` (a key of :data:`LIBRARIES`), its
     modules imported at the first call (``ImportError`` if it is not installed)."""
-    family = _FAMILIES.get(root)
-    if family is None:
-        family = _FAMILIES[root] = Family(root)
-    return family
+    return Family(root)
 
 
 def sentinel_classes() -> tuple[tuple[type[Any], ...], tuple[type[Any], ...]]:

@@ -140,13 +140,13 @@ class Companion:
     def unretain(self) -> bool:
         """Count one less; True when nothing uses it any more and it should be closed."""
         self._users -= 1
-        if self._users == 0:
-            self.watchdog.idle()
+        if self._users:
+            return False
+        self.watchdog.idle()
         check = self._eviction_check
         checking = check is not None and not check.done()
         clients = self._renewer is not None or self._overflow is not None
-        busy = clients or self.room.open or self.watchdog.running or checking
-        return self._users == 0 and busy
+        return clients or self.room.open or self.watchdog.running or checking
 
     def check_not_holding(self, key: str, name: str) -> None:
         """Raise ``RuntimeError`` if the current task is inside a block or a guard of the
@@ -187,12 +187,7 @@ class Companion:
         """The dedicated client for renewals (created on first use, retries off)."""
         if self._renewer is None:
             # No socket timeout: every renewal has a time limit of its own.
-            settings = {**self.settings, "socket_timeout": None}
-            family = self.family
-            pool = family.pool(
-                connection_class=self.connection_class, **settings, retry=family.no_retry()
-            )
-            self._renewer = family.client.from_pool(pool)
+            self._renewer = self._own_client(self.family.pool, socket_timeout=None)
         return self._renewer
 
     async def _follow_primary(self, pool: SentinelConnectionPool, deadline: float) -> None:
@@ -207,18 +202,22 @@ class Companion:
         error, so a burst of thousands of leases queues instead of failing.
         """
         if self._overflow is None:
-            family = self.family
-            pool = family.blocking_pool(
-                connection_class=self.connection_class,
-                max_connections=_OVERFLOW_CONNECTIONS,
-                timeout=None,
-                **self.settings,
-                retry=family.no_retry(),
+            self._overflow = self._own_client(
+                self.family.blocking_pool, max_connections=_OVERFLOW_CONNECTIONS, timeout=None
             )
-            self._overflow = family.client.from_pool(pool)
-            if self.sharded:
-                mark_sharded(self._overflow)
         return self._overflow
+
+    def _own_client(self, pool_class: type[Any], **extra: Any) -> Redis:
+        """A client of asynclock's own (``renewer``, ``overflow``): a new ``pool_class``
+        pool of this client's connection settings, updated with ``extra``, and redis-py's
+        retries off; marked sharded as its client is (see ``_redis._cluster``)."""
+        family = self.family
+        settings = {**self.settings, **extra, "retry": family.no_retry()}
+        pool = pool_class(connection_class=self.connection_class, **settings)
+        client: Redis = family.client.from_pool(pool)
+        if self.sharded:
+            mark_sharded(client)
+        return client
 
     def abandon_call(self, key: str, token: str, tombstone_ms: int) -> tuple[list[str], list[Arg]]:
         """ABANDON's keys and arguments for ``token`` on the lock whose lease key is ``key``

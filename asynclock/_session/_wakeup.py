@@ -109,7 +109,8 @@ class WaitingRoom:
         """Published with this client's releases, so it can tell its own notifications."""
         self._origin_bytes = self.origin.encode()
         self._grants = ":" + self.origin  # a lock's channel + this: our grant channel
-        self._connection: Any = None
+        self.connection: Any = None
+        """The subscription's connection (None before the first subscription)."""
         self._reader: asyncio.Task[None] | None = None
         self._acked: set[str] = set()  # channels whose last SUBSCRIBE Redis confirmed
         # channel -> SUBSCRIBE/UNSUBSCRIBE commands for it sent and not answered yet: a
@@ -138,11 +139,6 @@ class WaitingRoom:
     def open(self) -> bool:
         return self._reader is not None or bool(self._background)
 
-    @property
-    def connection(self) -> Any:
-        """The subscription's connection (None before the first subscription)."""
-        return self._connection
-
     # -- local lines -------------------------------------------------------------------
 
     def join(self, channel: str, waiter: Waiter) -> Waiter:
@@ -165,8 +161,7 @@ class WaitingRoom:
 
     def waiting(self, channel: str) -> int:
         """How many waiters are in ``channel``'s line."""
-        line = self._lines.get(channel)
-        return len(line) if line else 0
+        return len(self._lines.get(channel, ()))
 
     def listening(self, channel: str) -> bool:
         """Whether release notifications on ``channel``, and grants of its lock to this
@@ -193,8 +188,7 @@ class WaitingRoom:
             self._registered.discard(channel)
 
     def is_head(self, channel: str, waiter: Waiter) -> bool:
-        line = self._lines.get(channel)
-        return bool(line) and line[0] is waiter  # type: ignore[index]
+        return self.head(channel) is waiter
 
     def leave(self, channel: str, waiter: Waiter, *, wake_next: bool = True) -> None:
         """Remove ``waiter``; the next in line becomes head (woken to try if ``wake_next``)."""
@@ -268,13 +262,6 @@ class WaitingRoom:
         if self._deferred.pop(channel, None) is not None:
             self.wake(channel)  # the others did not take it in time
 
-    def _wake_all(self) -> None:
-        for line in self._lines.values():
-            line[0].event.set()
-        for listeners in self._listeners.values():
-            for event in listeners:
-                event.set()
-
     # -- the subscription --------------------------------------------------------------
 
     async def subscribe(self, channel: str, deadline: float | None = None) -> bool:
@@ -304,7 +291,7 @@ class WaitingRoom:
                 if len(stale) >= _STALE_CHANNELS:
                     self._subscribed -= stale
                     self._confirmed -= stale  # (not listening from now on)
-                    self._unconfirm(stale)  # (one whose waiter left before it was confirmed)
+                    self._settle(stale)  # (one whose waiter left before it was confirmed)
                     await self._command(self._unsubscribe, self._both(stale))
                 self._subscribed.add(channel)
                 await self._command(self._subscribe, self._both((channel,)))
@@ -312,7 +299,7 @@ class WaitingRoom:
                 return await asyncio.shield(future)
         except (RedisError, OSError, TimeoutError) as exc:
             log.debug("subscription to %s not confirmed: %r", channel, exc)
-            self._unconfirm((channel,))  # (the next subscribe sends it again)
+            self._settle((channel,))  # (the next subscribe sends it again)
             return False
 
     async def _command(self, command: str, names: list[str]) -> None:
@@ -324,10 +311,10 @@ class WaitingRoom:
             self._acked.discard(name)
         with connection_errors():  # (a dropped connection, on some Pythons: _compat)
             if not self._sharded:
-                await self._connection.send_command(command, *names)
+                await self.connection.send_command(command, *names)
                 return
             for i in range(0, len(names), 2):  # (a lock's pair: one slot, see _both)
-                await self._connection.send_command(command, *names[i : i + 2])
+                await self.connection.send_command(command, *names[i : i + 2])
 
     async def _ensure_reader(self, limit: float = _SUBSCRIBE_LIMIT) -> None:
         if self._reader is not None:
@@ -343,7 +330,7 @@ class WaitingRoom:
                 with contextlib.suppress(Exception):
                     await connection.disconnect()
                 raise
-            self._connection = connection
+            self.connection = connection
             self._healthy = True
             self._reader = asyncio.get_running_loop().create_task(
                 self._read(), name="asynclock-wakeup"
@@ -358,18 +345,18 @@ class WaitingRoom:
             try:
                 with connection_errors():  # (a dropped connection: _compat)
                     if not self._healthy:
-                        await self._connection.connect()
+                        await self.connection.connect()
                         self._heard = loop.time()
                         pinged = False
                         if self._subscribed:
                             await self._command(self._subscribe, self._both(self._subscribed))
                         self._healthy = True
-                    reply = await self._connection.read_response(timeout=_HEARTBEAT)
+                    reply = await self.connection.read_response(timeout=_HEARTBEAT)
                     if reply is None:  # silence for _HEARTBEAT seconds
                         if pinged:
                             raise RedisConnectionError("the subscription did not answer a PING")
                         if self._lines or self._listeners:  # (else silence is fine)
-                            await self._connection.send_command("PING")
+                            await self.connection.send_command("PING")
                             pinged = True
                         continue
                     self._heard = loop.time()
@@ -391,9 +378,11 @@ class WaitingRoom:
                 log.debug("wake-up subscription broken: %r", exc)
                 self._healthy = False
                 self._unsubscribed()
-                self._wake_all()  # a release may have been missed: let every head try
+                # A release may have been missed: let every head and listener try.
+                for channel in [*self._lines, *self._listeners]:
+                    self.wake(channel)
                 with contextlib.suppress(Exception):
-                    await self._connection.disconnect()
+                    await self.connection.disconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
@@ -411,19 +400,19 @@ class WaitingRoom:
             for name in self._both((channel,)):
                 self._inflight.pop(name, None)
                 self._acked.discard(name)
-        self._unconfirm([channel for channel in self._pending if channel not in self._confirmed])
+        self._settle([channel for channel in self._pending if channel not in self._confirmed])
 
-    def _unconfirm(self, channels: Iterable[str]) -> None:
-        """Tell whoever waits for the subscription of ``channels`` that it is not
-        confirmed (a later subscribe sends it again)."""
+    def _settle(self, channels: Iterable[str], confirmed: bool = False) -> None:
+        """Tell whoever waits for the subscription of ``channels`` whether it is
+        ``confirmed`` (if not, a later subscribe sends it again)."""
         for channel in list(channels):
             future = self._pending.pop(channel, None)
             if future is not None and not future.done():
-                future.set_result(False)
+                future.set_result(confirmed)
 
     def _unsubscribed(self) -> None:
         """The subscription's connection broke or is closed: no channel is confirmed."""
-        self._unconfirm(self._pending)
+        self._settle(self._pending)
         self._acked.clear()
         self._inflight.clear()
         self._confirmed.clear()
@@ -471,9 +460,7 @@ class WaitingRoom:
                 self._acked.add(name)
                 if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
                     self._confirmed.add(channel)
-                    future = self._pending.pop(channel, None)
-                    if future is not None and not future.done():
-                        future.set_result(True)
+                    self._settle((channel,), True)
         return False
 
     def _granted(self, channel: str, payload: bytes) -> None:
@@ -514,7 +501,7 @@ class WaitingRoom:
     def forget(self) -> None:
         """This room's loop has closed: drop its subscription connection without that
         loop (see ``_leftovers``)."""
-        connection, self._connection = self._connection, None
+        connection, self.connection = self.connection, None
         self._reader = None
         if connection is not None:
             forget_connection(connection)
@@ -532,7 +519,7 @@ class WaitingRoom:
         if self._lines or self._listeners:
             return  # a waiter came while the background work ended: keep listening
         reader, self._reader = self._reader, None
-        connection, self._connection = self._connection, None
+        connection, self.connection = self.connection, None
         self._unsubscribed()  # (a background subscribe's pending future, cancelled)
         self._subscribed.clear()
         for timer in self._deferred.values():

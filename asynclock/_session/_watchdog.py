@@ -252,7 +252,11 @@ class Watchdog:
             self._retry_all(batch, TimeoutError("renewal cancelled"))
             return
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed_batch(batch, exc)
+            if is_refusal(exc):  # (SCRIPT LOAD refused by the ACL: a configuration error)
+                for lease in batch:
+                    _refused(lease, exc)
+            else:  # an unknown outcome
+                self._retry_all(batch, exc)
             return
         except BaseException as exc:  # a bug: never silence, never leave a lease unwatched
             for lease in batch:
@@ -277,15 +281,6 @@ class Watchdog:
         for ttl, (_, leases) in renewed.items():
             if leases:
                 self._schedule_group(leases, t_send + ttl / 3)
-
-    def _failed_batch(self, batch: list[Watched], exc: BaseException) -> None:
-        """The batch's exchange failed: refused by the server's ACL (SCRIPT LOAD, say),
-        which is a configuration error, or an unknown outcome to retry."""
-        if is_refusal(exc):
-            for lease in batch:
-                _refused(lease, exc)
-        else:
-            self._retry_all(batch, exc)
 
     def _answered(self, lease: Watched, reply: object, confirmed: _Confirmed) -> bool:
         """Act on one lease's renew reply; returns whether it renewed the lease (to be
@@ -313,11 +308,6 @@ class Watchdog:
             self._retry(lease, short)
             return False
         return True
-
-    def _schedule_group(self, leases: list[Watched], due: float) -> None:
-        for lease in leases:
-            lease.watch(due)
-        self._timeline.add(due, leases)
 
     async def _send(self, batch: list[Watched]) -> tuple[float, list[object], _Confirmed]:
         """Send the batch's renewals in one write; returns t_send, a reply (or the
@@ -354,22 +344,16 @@ class Watchdog:
             if self._locate is not None:  # (t_send stays before it: the earlier, the safer)
                 await self._locate((t_send + limit_at) / 2)
             replies = await exchange(client, packed, count)
-            for index in reversed(asked):
-                del replies[index]
-            forgotten = {
-                lease.renew_script.source: None
-                for lease, reply in zip(batch, replies[: len(batch)], strict=True)
-                if isinstance(reply, NoScriptError)
-            }
-            if forgotten:
-                # A restarted or failed-over server forgot the scripts: load them, resend.
+            if any(isinstance(reply, NoScriptError) for reply in replies):
+                # A restarted or failed-over server forgot the scripts: load the batch's
+                # (each once), resend.
                 with connection_errors():  # (a dropped connection, on some Pythons)
-                    for source in forgotten:
+                    for source in {lease.renew_script.source: None for lease in batch}:
                         await client.script_load(source)
                 t_send = loop.time()
                 replies = await exchange(client, packed, count)
-                for index in reversed(asked):
-                    del replies[index]
+        for index in reversed(asked):
+            del replies[index]
         if not wanted:
             return t_send, replies, _NONE_ASKED
         last = replies[-1]
@@ -377,6 +361,11 @@ class Watchdog:
         confirmed = _Confirmed(replicas_confirmed(last), wait_ms * steps / 1000, error)
         del replies[len(batch) :]
         return t_send, replies, confirmed
+
+    def _schedule_group(self, leases: list[Watched], due: float) -> None:
+        for lease in leases:
+            lease.watch(due)
+        self._timeline.add(due, leases)
 
     def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
         """The batch failed as a whole: every lease of it tries again (see ``_retry``)."""
