@@ -3,7 +3,8 @@
 Design note. The release runs shielded from cancellation and every exchange ends within
 ``release_timeout`` (see ``_shield.finish_idempotent``): a dead Redis never hangs an exit,
 the key then expires by its TTL. With a waiter in this client's line the HANDOFF script
-gives it the key in the same round trip (see ``_wakeup``). A release's "not ours" answer
+gives it the key in the same round trip (see ``_wakeup``), and the releaser lets the new
+holder run before it goes on (``after_release``). A release's "not ours" answer
 is a proven loss only when it is the first attempt's and arrived before ``safe_until``
 (see ``_send_release``); anything else proves nothing and is not reported as a loss.
 """
@@ -73,6 +74,8 @@ class Wake(enum.Enum):
     OURS = "ours"  # the head of this client's line, if any
     OTHERS = "others"  # other clients' waiters compete, or one was granted the key:
     # ours stands back a moment, then tries (and so learns how long to wait)
+    HANDED = "handed"  # the head of this client's line was handed the key (and woken):
+    # the releaser lets it run first (see after_release)
 
 
 async def release(held: Held, *, shielded: bool) -> Wake:
@@ -139,6 +142,8 @@ async def release(held: Held, *, shielded: bool) -> Wake:
         held.event(LeaseEventKind.RELEASED)
     if successor is not None and not room.waiting(channel) and room.registered(channel):
         room.in_background(unregister(held.companion, held.options))  # line emptied
+    if released is _Outcome.HANDED:
+        return Wake.HANDED
     return Wake.OTHERS if released is _Outcome.OTHERS_DUE else Wake.OURS
 
 
@@ -186,7 +191,8 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
 class _Outcome(enum.Enum):
     """What a release found."""
 
-    RELEASED = "released"  # deleted (waiters notified), or handed to our next waiter
+    RELEASED = "released"  # deleted (waiters notified)
+    HANDED = "handed"  # handed to our next waiter (woken)
     OTHERS_DUE = "others due"  # granted to a waiter of another client, or deleted (waiters
     # notified) with waiters of other clients registered: ours stand back (Wake.OTHERS)
     NOT_OURS = "not ours"  # definitively not our key (see _send_release)
@@ -258,7 +264,7 @@ async def _send_release(
         successor.grant = (fence, t_offer)  # the script set or renewed its expiry
         successor.event.set()
         room.set_registered(options.channel, behind is not None)
-        return _Outcome.RELEASED
+        return _Outcome.HANDED
     successor.offered = False  # a definitive answer: the key was not handed over
     if answer in (Handoff.GRANTED, Handoff.CONTESTED):  # (granted: to another's waiter)
         room.set_registered(options.channel, True)
@@ -327,7 +333,10 @@ async def unretain(companion: Companion) -> None:
 
 async def after_release(held: Held, wake: Wake) -> None:
     """After ``release`` (whatever its outcome): mark the lease ended, wake the waiters
-    ``wake`` says, and let go of the companion."""
+    ``wake`` says, and let go of the companion. After a hand-over it then yields once:
+    the new holder (woken when the reply came) runs before the releaser goes on, so the
+    key does not sit idle in its hands while the releaser, say, queues for it again;
+    what the releaser does next overlaps the new holder's round trips instead."""
     held.end()
     room = held.companion.room
     if room.in_use:  # (a grant to its token from now on is given back)
@@ -337,3 +346,5 @@ async def after_release(held: Held, wake: Wake) -> None:
     else:
         room.wake(held.options.channel)
     await unretain(held.companion)
+    if wake is Wake.HANDED:
+        await asyncio.sleep(0)
