@@ -183,6 +183,56 @@ def test_cancel_around_a_local_handoff_leaves_no_key(redis_server: Any, prefix: 
         _shut_down(loop)
 
 
+async def test_a_releaser_cancelled_while_it_lets_the_new_holder_run(
+    client: Redis, prefix: str
+) -> None:
+    """After handing the lock to the next waiter of its client, the releaser yields once
+    so that the new holder runs first. The new holder cancels the releaser right then
+    (from inside its block, which runs during that yield): the releaser's exit raises
+    CancelledError with its lease already RELEASED, the new holder holds the key and
+    gives it back, and nothing is left."""
+    key = prefix + "{yielding}"
+    holding, release, done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    first: list[asynclock.Lease] = []
+
+    async def releaser() -> None:
+        async with asynclock.lease(client, "yielding", ttl=30, prefix=prefix) as lock:
+            first.append(lock)
+            holding.set()
+            await release.wait()
+
+    releasing = asyncio.create_task(releaser())
+    await holding.wait()
+
+    async def next_holder() -> int:
+        async with asynclock.lease(client, "yielding", ttl=30, prefix=prefix) as lock:
+            releasing.cancel()  # (the releaser is in its exit's yield, or past it)
+            assert lock.state is asynclock.LeaseState.HELD
+            value = await client.get(key)
+            assert value is not None
+            assert _text(value) == f"{lock.token}:{lock.fencing_token}"
+            done.set()
+            return lock.fencing_token
+
+    waiting = asyncio.create_task(next_holder())
+    await wait_until(lambda: _queued(client, key), what="the waiter in line")
+    release.set()
+    fence = await asyncio.wait_for(waiting, 10)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(releasing, 10)
+    assert releasing.cancelled()
+    assert done.is_set()
+    assert fence > first[0].fencing_token
+    assert first[0].state is asynclock.LeaseState.RELEASED
+    assert first[0].lost_reason is None
+    assert await client.exists(key) == 0
+    assert not companion_for(client).room._lines
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 async def _queued(redis: Redis, key: str) -> bool:
     return bool(companion_for(redis).room.waiting(key + ":released"))
 
