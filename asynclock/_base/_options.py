@@ -299,10 +299,11 @@ class LeaseOptions:
         """The hash in which blocking waits register their client (see ``HANDOFF``)."""
         return self.base_key + ":waiting"
 
-    def acquire_keys(self, token: str) -> list[str]:
-        """The ACQUIRE script's keys for an attempt made with ``token``: the lease, the
-        fence counter, the attempt's tombstone and the waiting hash (one format of the key)."""
-        return [self.key, self.fence_key, self.void_key(token), self.waiting_key]
+    def attempt_keys(self, token: str, *more: str) -> list[str]:
+        """The keys an acquire script's attempt made with ``token`` begins with: the lock's
+        key, its fence counter and the attempt's tombstone; then ``more``, the kind's own
+        (the mutex's ACQUIRE: the waiting hash)."""
+        return [self.key, self.fence_key, self.void_key(token), *more]
 
     def void_key(self, token: str) -> str:
         """The tombstone key of an abandoned acquire attempt made with ``token``."""

@@ -45,13 +45,7 @@ class Fair(Kind):
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """A waiting attempt (``turn``) joins (or stays in) the queue."""
         options = self._options
-        keys = [
-            options.key,
-            options.fence_key,
-            options.void_key(token),
-            options.queue_key,
-            options.alive_key,
-        ]
+        keys = options.attempt_keys(token, options.queue_key, options.alive_key)
         args: list[Arg] = [
             token,
             options.ttl_ms,

@@ -130,7 +130,7 @@ class Mutex(Kind):
         options = self._options
         room = self._companion.room
         channel = options.channel
-        keys = options.acquire_keys(token)
+        keys = options.attempt_keys(token, options.waiting_key)
         job = self._job
         on_success = ""
         waiter = None if turn is None else turn.waiter

@@ -39,13 +39,7 @@ class Shared(Kind):
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         options = self._options
-        keys = [
-            options.base_key,
-            options.fence_key,
-            options.void_key(token),
-            options.waiting_key,
-            options.readers_key,
-        ]
+        keys = options.attempt_keys(token, options.waiting_key, options.readers_key)
         return Request(SHARED_ACQUIRE, keys, [token, options.ttl_ms, options.fence_ttl_ms])
 
     def again(self, request: Request) -> Request:
