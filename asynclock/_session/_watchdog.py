@@ -262,6 +262,13 @@ class Watchdog:
             for lease in batch:
                 _failed(lease, exc)
             return
+        self._settle(batch, t_send, replies, confirmed)
+
+    def _settle(
+        self, batch: list[Watched], t_send: float, replies: list[object], confirmed: _Confirmed
+    ) -> None:
+        """Act on the batch's replies (sent at ``t_send``): confirm the leases renewed and
+        put them back on the timeline; tell the others what happened."""
         # Renewed leases are due again together: one timeline entry per ttl, one float
         # per ttl for the new deadline and the next due time.
         renewed: dict[float, tuple[float, list[Watched]]] = {}
