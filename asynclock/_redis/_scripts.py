@@ -1112,14 +1112,13 @@ reader's value and ttl (ms) follow."""
 # marker), else 0. Nothing is written (``Lease.is_held(verify=True)``).
 SHARED_IS_OURS = Script("shared_is_ours", _live_reader("  return 1\n") + "return 1\n")
 
-# SHARED_RELEASE: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
-# value, ARGV[2] the release channel, ARGV[3] our origin id.
-# Returns 1 when our hold was given back (the marker deleted and the release announced
-# if we were the last), else 0. (A reader alone runs GET, DEL and PUBLISH, as a mutex.)
-SHARED_RELEASE = Script(
-    "shared_release",
-    """local marker = redis.call('GET', KEYS[2])
-if marker == 'shared:' .. ARGV[1] then
+
+def _leave_alone(ours: str) -> str:
+    """Lua, with the lock's key KEYS[2] read into ``marker``: if ``ours`` (a Lua
+    condition) finds there a reader alone that is ours, delete the key and announce the
+    release on ARGV[2] (ARGV[3]), returning 1; return 0 if the key holds neither that nor
+    the marker 'shared' (then the reader is not in the set either)."""
+    return f"""if {ours} then
   redis.call('DEL', KEYS[2])
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 1
@@ -1127,7 +1126,18 @@ end
 if marker ~= 'shared' then
   return 0
 end
-local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
+"""
+
+
+# SHARED_RELEASE: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
+# value, ARGV[2] the release channel, ARGV[3] our origin id.
+# Returns 1 when our hold was given back (the marker deleted and the release announced
+# if we were the last), else 0. (A reader alone runs GET, DEL and PUBLISH, as a mutex.)
+SHARED_RELEASE = Script(
+    "shared_release",
+    "local marker = redis.call('GET', KEYS[2])\n"
+    + _leave_alone("marker == 'shared:' .. ARGV[1]")
+    + """local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
 local member = ARGV[1]
 """
     + _SHARED_DROP,
@@ -1141,15 +1151,8 @@ SHARED_ABANDON = Script(
     "shared_abandon",
     """redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
 local marker = redis.call('GET', KEYS[2])
-if marker and string.sub(marker, 1, #ARGV[1] + 8) == 'shared:' .. ARGV[1] .. ':' then
-  redis.call('DEL', KEYS[2])
-  redis.call('PUBLISH', ARGV[2], ARGV[3])
-  return 1
-end
-if marker ~= 'shared' then
-  return 0
-end
 """
+    + _leave_alone("marker and string.sub(marker, 1, #ARGV[1] + 8) == 'shared:' .. ARGV[1] .. ':'")
     + _find_reader("KEYS[1]")
     + """if not member then
   return 0
