@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from types import ModuleType
 from typing import Final
 
-from .._lifecycle import _lease
 from .._redis import _scripts
 from .._redis._scripts import STATISTICS, Script
 from . import _inspect
@@ -98,7 +97,7 @@ _CALL: Final = re.compile(r"redis\.p?call\(")
 _CALLED: Final = re.compile(r"""redis\.p?call\(\s*(['"])([A-Za-z]+)\1""")
 _RULE_SAFE: Final = re.compile(r"[^\s\x00-\x1f\x7f]*")
 
-_SCRIPT_MODULES: Final[tuple[ModuleType, ...]] = (_scripts, _lease, _inspect)
+_SCRIPT_MODULES: Final[tuple[ModuleType, ...]] = (_scripts, _inspect)
 
 
 def scripts(modules: Iterable[ModuleType] = _SCRIPT_MODULES) -> list[Script]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .._base._options import LeaseOptions
 from .._redis._scripts import (
+    IS_OURS,
     PERMIT_RELEASE,
     PERMIT_RENEW,
     PERMIT_RENEW_HEAD,
@@ -44,7 +45,7 @@ class Hold:
     any); ``hands_over``: a release may hand the key to the next waiter of its client
     (HANDOFF: a plain lock's, not a fair one's);
     ``verify`` reads whether it is still ours (``is_held(verify=True)``) with ``keys``
-    and our value (None: a ``GET`` of its own key compared with our value).
+    and our value (by default a ``GET`` of its own key compared with our value).
     """
 
     options: LeaseOptions
@@ -53,7 +54,7 @@ class Hold:
     renew_head: bytes
     release: Script
     hands_over: bool = False
-    verify: Script | None = None
+    verify: Script = IS_OURS
 
 
 def of_lock(options: LeaseOptions) -> Hold:

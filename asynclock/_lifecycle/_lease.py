@@ -56,12 +56,6 @@ __all__ = ["Lease", "LeaseGuard", "LeaseState", "Tenure"]
 
 log = logging.getLogger("asynclock")
 
-# Compared in Redis: whatever bytes the key holds, the reply is an integer, which a
-# client of any decode mode reads (a value that is not valid text would fail to decode).
-_IS_OURS: Final = Script(
-    "is_ours", "if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end return 0"
-)
-
 
 class LeaseState(enum.StrEnum):
     """Where a lease stands. ``LOST`` and ``RELEASED`` are terminal."""
@@ -175,9 +169,7 @@ class Tenure:
         if not verify:
             return True
         before = cancelling()
-        script = self.hold.verify or _IS_OURS
-        keys = list(self.hold.keys) if self.hold.verify else [self.options.key]
-        args = [self.owner()]
+        script, keys, args = self.hold.verify, self.hold.keys, [self.owner()]
 
         def read(companion: Companion) -> Awaitable[object]:
             if self.asking:  # (its slot is migrating to its node: see moved)

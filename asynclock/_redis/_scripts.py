@@ -67,6 +67,7 @@ __all__ = [
     "FAIR_ACQUIRE",
     "FAIR_LEAVE",
     "HANDOFF",
+    "IS_OURS",
     "PERMIT_RELEASE",
     "PERMIT_RENEW",
     "PERMIT_RENEW_HEAD",
@@ -459,6 +460,11 @@ redis.call('PUBLISH', ARGV[6], ARGV[7])
 return 1
 """,
 )
+
+# IS_OURS: KEYS[1] lease key; ARGV[1] the lease's full value. Returns 1 when the key holds
+# it, else 0 (``is_held(verify=True)``; nothing written). Compared in Redis: whatever bytes
+# the key holds, the reply is an integer, which a client of any decode mode reads.
+IS_OURS = Script("is_ours", "if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end return 0")
 
 # RENEW: KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] ttl (ms).
 # Returns 1 when the key still holds our value (its TTL is now exactly ttl), else 0.
