@@ -35,8 +35,8 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 from .._base._exceptions import IdempotencyConflict, LockLost, LossReason, ResultNotStored
 from .._base._options import MAX_TTL, Client, LeaseOptions, RedisApi, _positive, redis_api
 from .._kinds._mutex import Job, JobConflict, JobDone, JobUnstored
+from .._lifecycle._context import begin
 from .._lifecycle._lease import Lease
-from .._lifecycle._take import begin
 from .._redis._lane import encoding_of
 from ._current import running_under
 from ._template import (

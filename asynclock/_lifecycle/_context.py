@@ -1,34 +1,70 @@
-"""The two ways in: ``async with lease(...)`` (a guarded block) and ``await acquire(...)``
-(a lease held until ``release()``).
+"""The ways in: ``async with lease(...)`` (a guarded block) and ``await acquire(...)`` (a
+lease held until ``release()``), and the taking of a lock on the right server that every
+way in shares (``begin``, ``take``).
 
-Design note. Both take the lock the same way (``_take.begin``: the acquisition engine of
-``_kinds``), which makes the lease's ``Tenure`` and schedules its watchdog with no await
-in between, so a cancellation cannot fall between the grant and the lease that owns it;
-the caller gets the ``Lease``, the handle over it. Their keyword
-arguments are defined once (``LeaseKeywords`` for the type checker, ``_options.KEYWORDS``
-with their defaults and checks at run time) and passed on as they were given. The block
-then enters a cancel scope around its body; its exit releases the lease inside that scope
-made a shield (cheaper than a scope of its own) unless the scope cancelled the body, in
-which case it is left first (it would cancel the release too).
+Design note. Every way in (``lease()``, ``acquire()``, ``once()``; Redlock's servers
+through ``take``) takes the lock the same way: ``take`` runs the acquisition engine of
+``_kinds`` with the options' kind, on the server that holds the lock (for a Redis
+Cluster, the primary that owns its slot, see ``_redis._cluster``, the slot map reloaded
+and the attempt made again after a ``MOVED`` or a migration), and with ``min_replicas``
+has the lease confirmed by replicas (``_replicas``). It returns the lease's ``Tenure``
+not yet watched: ``begin`` starts it (its watchdog scheduled) with no await in between,
+so a cancellation cannot fall between the grant and the lease that owns it, and reports
+``acquired``. The caller gets the ``Lease``, the handle over it.
+
+The keyword arguments of ``lease()`` and ``acquire()`` are defined once
+(``LeaseKeywords`` for the type checker, ``_options.KEYWORDS`` with their defaults and
+checks at run time) and passed on as they were given. A block enters a cancel scope
+around its body; its exit releases the lease inside that scope made a shield (cheaper
+than a scope of its own) unless the scope cancelled the body, in which case it is left
+first (it would cancel the release too). Redlock (``_redlock``) is handed ``take``, so
+that it stays below this module.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import TypedDict, Unpack, cast, overload
 
-from .._base._events import EventHook
-from .._base._options import KEYWORDS, Client, LeaseOptions, is_cluster
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from .._base._events import EventHook, LeaseEventKind, hooks, report
+from .._base._exceptions import AcquireTimeout, LockBusy
+from .._base._options import KEYWORDS, Client, LeaseOptions, is_cluster, redis_api
 from .._base._shield import ExcType, Traceback
-from .._session._connections import HoldEntry
+from .._kinds._engine import Kind
+from .._kinds._engine import acquire as acquire_by
+from .._kinds._fair import Fair
+from .._kinds._mutex import Job, JobConflict, JobDone, Mutex
+from .._kinds._permits import Permits
+from .._kinds._shared import Shared
+from .._redis._cluster import node_client, reload_slots
+from .._redis._lane import not_sent
+from .._session._connections import Companion, HoldEntry, companion_for
 from ._lease import Lease, LeaseState, Tenure
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
-from ._release import Wake, after_release
+from ._release import Wake, after_release, let_go, unretain
 from ._release import release as release_lease
-from ._take import begin
+from ._replicas import confirm_replicas
 
-__all__ = ["HoldKeywords", "LeaseContext", "LeaseKeywords", "acquire", "lease"]
+__all__ = ["HoldKeywords", "LeaseContext", "LeaseKeywords", "acquire", "begin", "lease", "take"]
+
+log = logging.getLogger("asynclock")
 
 
 class LeaseContext:
@@ -199,7 +235,7 @@ def lease(
     """
     hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        return RedlockContext(redis, _redlock_options(redis, name, options), hook)
+        return RedlockContext(redis, _redlock_options(redis, name, options), hook, take)
     client = cast(Client, redis)  # (a client, or _options raises TypeError)
     return LeaseContext(client, _options(client, name, options), hook)
 
@@ -239,7 +275,7 @@ async def acquire(
     """
     hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        return await acquire_redlock(redis, _redlock_options(redis, name, options), hook)
+        return await acquire_redlock(redis, _redlock_options(redis, name, options), hook, take)
     client = cast(Client, redis)  # (a client, or _options raises TypeError)
     return Lease(await begin(client, _options(client, name, options), hook))
 
@@ -306,3 +342,188 @@ def _redlock_options(
         if option in given and given[option] != KEYWORDS[option]:
             raise ValueError(f"{option} cannot be given with a list of servers (Redlock)")
     return [_options(cast(Client, server), name, given).for_redlock() for server in servers]
+
+
+# -- taking the lock (every way in) -------------------------------------------------------
+
+
+async def take(
+    redis: Client, options: LeaseOptions, hook: EventHook | None, job: Job | None = None
+) -> Tenure:
+    """Acquire the lock of ``options`` (by the engine, ``_kinds._engine``; ``job``: for
+    ``once()``): the held lease, not yet watched (the caller starts it without awaiting
+    first), and, with ``min_replicas``, confirmed by that many replicas (``_replicas``)."""
+    redis = redis_api(redis)
+    if is_cluster(redis):
+        held = await _take_on_cluster(redis, options, hook, job)
+    else:
+        held = await _take(redis, options, hook, job)
+    if options.min_replicas:
+        await confirm_replicas(held)
+    return held
+
+
+async def begin(
+    redis: Client,
+    options: LeaseOptions,
+    hook: EventHook | None,
+    job: Job | None = None,
+    *,
+    block: bool = False,
+) -> Tenure:
+    """The start of a lease, the same for every way in (``lease()``, ``acquire()``,
+    ``once()``): ``take`` it, start it (its watchdog; ``block``: an ``async with`` block's,
+    whose cancel scope, entered here in the caller's task, a loss cancels) and report
+    ``acquired`` with the seconds it took; a busy lock or a timeout is reported as
+    ``acquire_failed`` (``busy`` or ``timeout``). Redlock starts its servers' leases
+    itself (``_redlock``): it reports one acquisition for all of them."""
+    loop = asyncio.get_running_loop()
+    t_call = loop.time()
+    try:
+        held = await take(redis, options, hook, job)
+    except (LockBusy, AcquireTimeout) as exc:
+        if hook is not None or hooks():
+            now = loop.time()
+            why = "busy" if isinstance(exc, LockBusy) else "timeout"
+            failed = LeaseEventKind.ACQUIRE_FAILED
+            report(hook, failed, options.name, 0, now, 0.0, why, now - t_call)
+        raise
+    scope = None
+    if block:
+        scope = held.companion.cancel_scope()
+        scope.__enter__()  # (no await since the grant: see take)
+    held.start(scope, waited=loop.time() - t_call)
+    return held
+
+
+_SLOT_TRIES = 5  # attempts after MOVED or an unreachable node (the map reloaded each time)
+_SLOT_PAUSE = 0.05  # seconds before the first retry that waits (doubled each)
+_SLOT_PAUSE_MOST = 0.5  # seconds: the longest pause between those retries
+_SLOT_ERRORS = (MovedError, AskError, TryAgainError, ClusterDownError, RedisConnectionError)
+"""What an acquire on a cluster tries again after, the slot map reloaded (see _SlotRetry)."""
+_UNREACHABLE_PATIENCE = 30.0  # seconds a blocking acquire without blocking_timeout waits
+# out its slot's unreachable primary (a failover takes the cluster's node timeout, 15 s
+# by default, and a little more)
+
+
+async def _take_on_cluster(
+    cluster: RedisCluster, options: LeaseOptions, hook: EventHook | None, job: Job | None
+) -> Tenure:
+    """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``), the
+    slot map reloaded after each failed attempt; when it tries again is ``_SlotRetry``'s."""
+    loop = asyncio.get_running_loop()
+    retry = _SlotRetry(options, loop)
+    while True:
+        attempt = retry.options()
+        try:
+            node = await node_client(cluster, options.base_key)
+            return await _take(node, attempt, hook, job)
+        except _SLOT_ERRORS as exc:
+            await retry.after(exc)
+            try:
+                await reload_slots(cluster)
+            except (RedisError, RedisClusterException) as exc:
+                # (the next attempt goes by the map as it is, and tells what is wrong)
+                log.debug("reloading the cluster's slot map failed: %r", exc)
+
+
+class _SlotRetry:
+    """When an acquire on a cluster tries again. A ``MOVED`` tries again at once
+    (``_SLOT_TRIES`` in all). ``ASK`` or ``TRYAGAIN`` (the slot is migrating),
+    ``CLUSTERDOWN`` (no node serves the slot), or a primary that cannot be reached (nothing
+    sent: it died, and its replica is not promoted yet) wait a little and try again: while
+    ``blocking``, until that ends or ``blocking_timeout`` runs out (counted once, from the
+    call, across attempts; an unreachable primary, without one, ``_UNREACHABLE_PATIENCE``
+    seconds); otherwise ``_SLOT_TRIES`` times in all, an unreachable node at once."""
+
+    def __init__(self, options: LeaseOptions, loop: asyncio.AbstractEventLoop) -> None:
+        self._options = options
+        self._loop = loop
+        start = loop.time()
+        wait = options.blocking_timeout
+        self._deadline = None if wait is None else start + wait
+        self._patience = start + _UNREACHABLE_PATIENCE if wait is None else math.inf
+        self._attempts = 0
+        self._moved = 0
+        self._pause = _SLOT_PAUSE
+
+    def options(self) -> LeaseOptions:
+        """The options of the next attempt: its ``blocking_timeout`` what is left."""
+        self._attempts += 1
+        deadline = self._deadline
+        if deadline is None or self._attempts == 1:
+            return self._options
+        return replace(self._options, blocking_timeout=max(0.0, deadline - self._loop.time()))
+
+    async def after(self, error: BaseException) -> None:
+        """Wait before the next attempt, or raise: ``error`` itself, or ``AcquireTimeout``
+        when the wait would pass ``blocking_timeout``."""
+        options = self._options
+        unreachable = isinstance(error, RedisConnectionError)
+        if unreachable and not not_sent(error):
+            raise error  # (sent: what became of it is the engine's, which gave up)
+        if isinstance(error, MovedError) or (unreachable and not options.blocking):
+            self._moved += 1
+            if self._moved >= _SLOT_TRIES:
+                raise error
+            return
+        if not options.blocking and self._attempts >= _SLOT_TRIES:
+            raise error
+        now = self._loop.time()
+        if unreachable and now + self._pause > self._patience:
+            raise error
+        deadline = self._deadline
+        if deadline is not None and deadline - now <= self._pause:
+            timeout = options.blocking_timeout or 0.0
+            raise AcquireTimeout(options.name, timeout, _why(error)) from error
+        await asyncio.sleep(self._pause)
+        self._pause = min(self._pause * 2, _SLOT_PAUSE_MOST)
+
+
+def _why(error: BaseException) -> str:
+    """What kept an acquire on a cluster from its lock (for ``AcquireTimeout``)."""
+    if isinstance(error, ClusterDownError):
+        return "its slot was not served"
+    if isinstance(error, RedisConnectionError):
+        return "its slot's primary could not be reached"
+    return "its slot was migrating"
+
+
+async def _take(
+    redis: Redis, options: LeaseOptions, hook: EventHook | None, job: Job | None
+) -> Tenure:
+    """``take()`` on one server, by the engine (``_kinds._engine``) with the options'
+    kind: the lease on the key the grant holds."""
+    companion = companion_for(redis)
+    if options.limit == 1:
+        # (a task may hold more than one permit of a semaphore; any other lock taken again
+        # by a task that holds it would wait for itself)
+        companion.check_not_holding(options.base_key, options.name)
+    kind = _kind(options, companion, job)
+    companion.retain()
+    companion.check_eviction_once()
+    try:
+        token, grant = await acquire_by(companion, options, kind)
+    except (JobDone, JobConflict):
+        # A job's result (or conflict): its caller returns at once; letting go of the
+        # companion (closing idle side connections) goes on in the background.
+        let_go(companion)
+        raise
+    except BaseException:
+        await unretain(companion)
+        raise
+    hold = kind.holding(token, grant)
+    # (a job's own attempt keeps its fingerprint in the key's value; a handed key not)
+    suffix = f":{job.fingerprint}" if job and job.fingerprint and not grant.handed else ""
+    return Tenure(hold, companion, token, grant.fencing_token, grant.t_send, hook, suffix)
+
+
+def _kind(options: LeaseOptions, companion: Companion, job: Job | None) -> Kind:
+    """The kind of lock the options ask for, as the engine's policy."""
+    if options.limit > 1:
+        return Permits(options)
+    if options.fair:
+        return Fair(options)
+    if options.shared:
+        return Shared(options)
+    return Mutex(options, companion, job)

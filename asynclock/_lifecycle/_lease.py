@@ -6,7 +6,7 @@ acquisition: its state (``LeaseState``) and loss, its safe deadline, its key's v
 its companion (the client's side connections, see ``_session._connections``), the
 watchdog's bookkeeping, the block's cancel scope or the open guards' scopes. The
 watchdog (``_session._watchdog``, through its ``Watched`` view), the release
-(``_release``), the ways in (``_take``, ``_context``, ``_redlock``, ``once()``) and the
+(``_release``), the ways in (``_context``, ``_redlock``, ``once()``) and the
 replicas' confirmation work on it, through its public members. The holder sees
 :class:`Lease`, a handle over it that offers the public API only (and :class:`LeaseGuard`).
 

@@ -1,6 +1,6 @@
 """Redlock, experimental: one lock over N independent Redis servers, held on a majority.
 
-Design note. ``lease([r1, r2, r3], name)`` takes a plain lease (``take``) of the lock on
+Design note. ``lease([r1, r2, r3], name)`` takes a plain lease of the lock on
 every server at once, one attempt each, bounded by a third of the TTL: a server that
 does not answer by then counts as not granting (its attempt is cancelled, which undoes
 it). The lock is held when a majority granted it and, counting from when the attempts
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import anyio
@@ -41,9 +41,12 @@ from .._base._options import Client, LeaseOptions
 from .._base._shield import ExcType, Traceback, finish
 from .._session._connections import HoldEntry, companion_for
 from ._lease import LeaseState, Tenure
-from ._take import take
 
-__all__ = ["RedlockContext", "RedlockLease", "acquire_redlock"]
+__all__ = ["RedlockContext", "RedlockLease", "Take", "acquire_redlock"]
+
+Take = Callable[[Client, LeaseOptions, EventHook | None], Awaitable[Tenure]]
+"""How a plain lease of one server is taken, not yet started (``_context.take``; handed
+in by the ways in, which sit above this module)."""
 
 _RETRY_PAUSE = 0.2  # seconds: the most a blocking Redlock waits between rounds
 
@@ -258,18 +261,23 @@ class RedlockContext:
     the lock, and is cancelled once it does not (``LockLost`` at its exit)."""
 
     def __init__(
-        self, servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None
+        self,
+        servers: Sequence[Client],
+        options: list[LeaseOptions],
+        hook: EventHook | None,
+        take: Take,
     ) -> None:
         self.servers = list(servers)
         self._options = options
         self._hook = hook
+        self._take = take
         self._lock: RedlockLease | None = None
         self._guard: _Guard | None = None
 
     async def __aenter__(self) -> RedlockLease:
         if self._lock is not None:
             raise RuntimeError("a lease() context manager can be entered only once")
-        self._lock = await acquire_redlock(self.servers, self._options, self._hook)
+        self._lock = await acquire_redlock(self.servers, self._options, self._hook, self._take)
         self._guard = self._lock.guard()
         await self._guard.__aenter__()
         return self._lock
@@ -288,11 +296,11 @@ class RedlockContext:
 
 
 async def acquire_redlock(
-    servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None
+    servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None, take: Take
 ) -> RedlockLease:
     """Take the lock on a majority of ``servers`` (``options``: one per server, each
     non-blocking; ``blocking`` and ``blocking_timeout`` are taken from the first one's
-    ``redlock_blocking``). See the design note.
+    ``redlock_blocking``), each server's lease with ``take``. See the design note.
 
     Raises:
         LockBusy: not blocking, and fewer than a majority granted the lock.
@@ -314,7 +322,7 @@ async def acquire_redlock(
         limit = first.ttl / 3
         if deadline is not None:
             limit = min(limit, max(deadline - loop.time(), _SHORTEST_ROUND))
-        leases, errors = await _take_all(servers, options, lock, limit)
+        leases, errors = await _take_all(servers, options, lock, limit, take)
         if len(leases) >= lock._quorum:
             lock._leases = leases
             if lock.safe_until - loop.time() >= first.ttl / 3:
@@ -345,7 +353,11 @@ def _report_failed(hook: EventHook | None, name: str, why: str, waited: float) -
 
 
 async def _take_all(
-    servers: Sequence[Client], options: list[LeaseOptions], lock: RedlockLease, limit: float
+    servers: Sequence[Client],
+    options: list[LeaseOptions],
+    lock: RedlockLease,
+    limit: float,
+    take: Take,
 ) -> tuple[list[Tenure], list[BaseException]]:
     """One attempt on every server at once, for at most ``limit`` seconds: the leases
     taken (started, each reporting its losses to ``lock``) and the errors raised. An

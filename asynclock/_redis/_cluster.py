@@ -22,7 +22,7 @@ subscribers of that node (and its replicas), and the waiting room subscribes wit
 
 When the slot map changes (a migration, a failover), an acquire refused with ``MOVED`` or
 ``ASK``, or unable to reach its node, reloads the map and tries the node that owns the
-slot now (see ``_lifecycle._take``). A held lease follows its slot: a renewal answered
+slot now (see ``_lifecycle._context``). A held lease follows its slot: a renewal answered
 ``MOVED`` or ``ASK`` moves the lease to the node named in the answer (:func:`node_at`,
 no round trip, made from the cluster's node settings if the map does not know it yet),
 where it is renewed at once, with ``ASKING`` while the slot is still migrating (and
