@@ -176,8 +176,10 @@ class Mutex(Kind):
             request.args[6] = repr(t_send)
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
-        """(1, fence): the lock; (0, the holder's pttl in ms); a job's (2, its stored
-        result), (3, another fingerprint), (4, why its result was not stored)."""
+        """The fencing token alone: the lock; (0, the holder's pttl in ms); a job's (2,
+        its stored result), (3, another fingerprint), (4, why its result was not stored)."""
+        if isinstance(reply, int):
+            return Granted(reply, t_send)
         raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
         status = int(raw_status)
         if status == 2:
