@@ -47,7 +47,7 @@ import random
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
 
@@ -159,15 +159,18 @@ class Refused:
     error: Exception
 
 
-def answer(
-    status: int, value: int, t_send: float, *, slot: int = -1, pending: bool = False
-) -> Granted | Busy:
-    """The replies every acquire script shares: (1, fencing token) the lock taken with
-    the attempt sent at ``t_send`` (``slot``: a permit's), (0, the holder's time left in
-    ms) busy (``pending``: see ``Busy``). Any other status left here is (-1, 0), the
-    answer to an abandoned attempt (its tombstone), which the engine never reads: a bug."""
+def answer(reply: object, t_send: float, *, pending: bool = False) -> Granted | Busy:
+    """The replies every acquire script shares, once a kind has read its own: the lock
+    taken with the attempt sent at ``t_send``, answered with its fencing token alone (an
+    integer: the plain and fair locks' scripts) or as (1, fencing token[, a permit's
+    slot]); (0, the holder's time left in ms) busy (``pending``: see ``Busy``). Any other
+    status left here is (-1, 0), the answer to an abandoned attempt (its tombstone), which
+    the engine never reads: a bug."""
+    if isinstance(reply, int):
+        return Granted(reply, t_send)
+    status, value, *slot = (int(x) for x in cast(list[int | bytes], reply))
     if status == 1:
-        return Granted(value, t_send, slot)
+        return Granted(value, t_send, slot[0] if slot else -1)
     if status == 0:
         return Busy(value, pending)
     raise RuntimeError("asynclock: an abandoned acquire attempt was answered")

@@ -21,7 +21,7 @@ does not queue: it takes the lock whenever it finds it free. The loop is the eng
 from __future__ import annotations
 
 import random
-from typing import Final, cast
+from typing import Final
 
 from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, Arg
 from ._engine import Busy, Granted, Kind, Refused, Request, Turn, answer
@@ -56,10 +56,9 @@ class Fair(Kind):
         return Request(FAIR_ACQUIRE, keys, args)
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
-        """(1, fence): the lock; (0, the holder's pttl in ms; 0 when the lock is free but
-        another waiter's turn), a waiting attempt's place in the queue kept."""
-        status, value = (int(x) for x in cast(list[int], reply))
-        return answer(status, value, t_send, pending=waiting)
+        """The fencing token alone: the lock; (0, the holder's pttl in ms; 0 when the lock
+        is free but another waiter's turn), a waiting attempt's place in the queue kept."""
+        return answer(reply, t_send, pending=waiting)
 
     def pause(self, busy: Busy) -> float:
         """At least every FAIR_PATIENCE / 2, so that our place in the queue stays alive."""

@@ -178,17 +178,16 @@ class Mutex(Kind):
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """The fencing token alone: the lock; (0, the holder's pttl in ms); a job's (2,
         its stored result), (3, another fingerprint), (4, why its result was not stored)."""
-        if isinstance(reply, int):
-            return Granted(reply, t_send)
-        raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
-        status = int(raw_status)
-        if status == 2:
-            return Refused(JobDone(raw_value))
-        if status == 3:
-            return Refused(JobConflict(raw_value))
-        if status == 4:
-            return Refused(JobUnstored(raw_value))
-        return answer(status, int(raw_value), t_send)
+        if isinstance(reply, list):
+            raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
+            status = int(raw_status)
+            if status == 2:
+                return Refused(JobDone(raw_value))
+            if status == 3:
+                return Refused(JobConflict(raw_value))
+            if status == 4:
+                return Refused(JobUnstored(raw_value))
+        return answer(reply, t_send)
 
     def answered(self, outcome: Granted | Busy, waiting: bool) -> None:
         if waiting:

@@ -62,7 +62,7 @@ class Permits(Kind):
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """(1, fence, slot): a permit; (0, pttl of the first to expire); (-2, the limit
         the permits are held with); (-3): held as a plain lock."""
-        status, value, *rest = cast(list[int | bytes], reply)
+        status, value, *_ = cast(list[int | bytes], reply)
         status = int(status)
         options = self._options
         if status == -2:
@@ -71,7 +71,7 @@ class Permits(Kind):
             return Refused(LimitConflict(options.name, why))
         if status == -3:
             return Refused(LimitConflict(options.name, "held as a plain lock (limit=1)"))
-        return answer(status, int(value), t_send, slot=int(rest[0]) if rest else -1)
+        return answer(reply, t_send)
 
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)

@@ -23,8 +23,6 @@ scripts and their replies.
 
 from __future__ import annotations
 
-from typing import cast
-
 from .._redis._scripts import SHARED_ABANDON, SHARED_ACQUIRE
 from ._engine import Busy, Granted, Kind, Refused, Request, Turn, answer, until_expiry
 from ._hold import Hold, of_reader
@@ -48,8 +46,7 @@ class Shared(Kind):
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """(1, fence): a shared hold; (0, ms to wait at most before trying again)."""
-        status, value = (int(x) for x in cast(list[int], reply))
-        return answer(status, value, t_send)
+        return answer(reply, t_send)
 
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)

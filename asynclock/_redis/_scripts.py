@@ -833,7 +833,8 @@ return 1
 # ARGV[3] fence counter ttl (ms), ARGV[4] for how long (ms) a waiter counts as alive after
 # an attempt, ARGV[5] 'wait' to join the queue (else a single attempt, which takes the
 # lock only when nobody waits).
-# Returns {1, fencing token} when held by this token (new, or a retry of ours),
+# Returns the fencing token alone (an integer, as ACQUIRE's) when held by this token (new,
+#           or a retry of ours),
 #         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
 #         {-1, 0} when this attempt was abandoned (its tombstone exists).
 FAIR_ACQUIRE = Script(
@@ -845,7 +846,7 @@ end
 local current = found[2]
 if {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {{1, {_FENCE_OF}}}
+  return {_FENCE_OF}
 end
 """
     + _NOW
@@ -872,7 +873,7 @@ if not current and (head == nil or head == ARGV[1]) then
 """
     + _MINT_AND_STORE_FENCE
     + """redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text, 'PX', ARGV[2])
-  return {1, fence}
+  return fence
 end
 if ARGV[5] == 'wait' then
   if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
