@@ -270,7 +270,8 @@ def run(
         if not _Stop.requested:  # the server's share of a cycle, kind by kind
             blocks, per_block = (4, 200) if profile.name == "quick" else (10, 500)
             print("server time per cycle of every kind ...")
-            results.server_us = asyncio.run(server_time(server.url, blocks, per_block))
+            spent = asyncio.run(server_time(server.url, blocks, per_block))
+            results.server_us, results.server_thread = spent.commands, spent.thread
             results.server_commands = asyncio.run(count_commands(server.url))
         probe.close()
         results.environment["load"] = load_note(ticks)

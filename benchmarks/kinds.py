@@ -290,7 +290,7 @@ async def run(url: str, quick: bool) -> str:
         f"blocks of {server_per_block} cycles, the kinds taking turns; "
         "`benchmarks/server.py`):",
         "",
-        *server_table(server),
+        *server_table(server.commands, None, server.thread),
         "",
     ]
     return "\n".join(lines)

@@ -56,6 +56,9 @@ class Results:
     server_commands: dict[str, float] = field(default_factory=dict)
     """Commands the server runs per uncontended cycle of each of them (``server.py``;
     empty in older results)."""
+    server_thread: dict[str, float] = field(default_factory=dict)
+    """µs of the server's main thread per uncontended cycle of each of them, I/O
+    included (``server.py``; empty in older results)."""
 
     # -- persistence ----------------------------------------------------------------------
 

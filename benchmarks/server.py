@@ -9,6 +9,14 @@ call; never those called inside a script, which ``commandstats`` counts as well)
 snapshot before and after each block of cycles, the blocks of the kinds taking turns
 (in an order reversed every other block) so that drift of the machine falls on all.
 
+Beside them, the same blocks read the main thread's CPU time (``INFO cpu``,
+``used_cpu_user_main_thread`` + ``used_cpu_sys_main_thread``): everything the thread did
+for a cycle, reading its requests and writing its replies included, which on loopback is
+most of it with one request in flight at a time (about 18 µs per round trip on the host
+of 2026-11-28, where a ``GET`` runs in 0.3): what bounds the cycles one shard can do when
+its clients wait for each reply. A server busy with many clients reads several requests
+per wake-up, and the commands' own µs weigh more there.
+
 Beside the µs, :func:`count_commands` counts the commands each cycle runs (those the kind
 sends and those its scripts call, the scripts themselves not counted): a command called
 from Lua costs from about 0.4 µs (a read of an absent key) to 2 µs (a key made and
@@ -36,7 +44,7 @@ from redis.asyncio import Redis
 import asynclock
 from asynclock.testing import RedisServer
 
-__all__ = ["KINDS", "Kind", "count_commands", "measure", "render", "server_section"]
+__all__ = ["KINDS", "Kind", "ServerTime", "count_commands", "measure", "render", "server_section"]
 
 _DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -136,19 +144,31 @@ KINDS: tuple[Kind, ...] = (
 """Every kind measured, the first the reference of every ratio."""
 
 
-async def _usec(client: Redis, commands: Sequence[str]) -> tuple[int, int]:
-    """(µs, calls) the server spent so far in ``commands`` (``INFO commandstats``)."""
+@dataclass(frozen=True, slots=True)
+class ServerTime:
+    """Median server µs per cycle of each kind (by label): in the commands it sends
+    (``INFO commandstats``), and of the main thread's CPU, all of it (``INFO cpu``)."""
+
+    commands: dict[str, float]
+    thread: dict[str, float]
+
+
+async def _usec(client: Redis, commands: Sequence[str]) -> tuple[float, float]:
+    """(µs in ``commands``, µs of the main thread's CPU) the server spent so far."""
     stats = await client.info("commandstats")
-    found = [stats.get(f"cmdstat_{command}", {}) for command in commands]
-    return sum(int(f.get("usec", 0)) for f in found), sum(int(f.get("calls", 0)) for f in found)
+    spent = sum(int(stats.get(f"cmdstat_{command}", {}).get("usec", 0)) for command in commands)
+    cpu = await client.info("cpu")  # (the process's, on a server that does not say)
+    user = cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])
+    system = cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"])
+    return float(spent), (float(user) + float(system)) * 1e6
 
 
 async def measure(
     url: str, blocks: int = 10, per_block: int = 300, kinds: Sequence[Kind] = KINDS
-) -> dict[str, float]:
-    """Median server µs per cycle of each kind (by label), over ``blocks`` blocks of
-    ``per_block`` cycles each, the kinds taking turns. Runs against the server at
-    ``url``, which nothing else should use meanwhile; its keys are left to expire."""
+) -> ServerTime:
+    """Median server µs per cycle of each kind, over ``blocks`` blocks of ``per_block``
+    cycles each, the kinds taking turns. Runs against the server at ``url``, which
+    nothing else should use meanwhile; its keys are left to expire."""
     client, probe = Redis.from_url(url), Redis.from_url(url)
     prefix = f"bench:{uuid.uuid4().hex[:6]}:"
     try:
@@ -156,17 +176,23 @@ async def measure(
         for _, cycle in cycles:  # (warm-up: scripts loaded, connections open)
             for _ in range(20):
                 await cycle()
-        figures: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        spent: dict[str, list[float]] = {kind.label: [] for kind in kinds}
+        thread: dict[str, list[float]] = {kind.label: [] for kind in kinds}
         for block in range(blocks):
             for kind, cycle in cycles if block % 2 == 0 else list(reversed(cycles)):
-                before, _ = await _usec(probe, kind.sends)
+                before = await _usec(probe, kind.sends)
                 for _ in range(per_block):
                     await cycle()
-                after, _ = await _usec(probe, kind.sends)
-                figures[kind.label].append((after - before) / per_block)
+                after = await _usec(probe, kind.sends)
+                spent[kind.label].append((after[0] - before[0]) / per_block)
+                thread[kind.label].append((after[1] - before[1]) / per_block)
     finally:
         await client.aclose()
         await probe.aclose()
+    return ServerTime(_medians(spent), _medians(thread))
+
+
+def _medians(figures: dict[str, list[float]]) -> dict[str, float]:
     return {label: statistics.median(values) for label, values in figures.items()}
 
 
@@ -202,29 +228,43 @@ async def _calls(client: Redis) -> int:
     return sum(int(v.get("calls", 0)) for k, v in stats.items() if k not in left_out)
 
 
-def render(figures: dict[str, float], commands: dict[str, float] | None = None) -> list[str]:
-    """The table of ``figures`` (from :func:`measure`), each against the first kind, with
-    the commands per cycle (from :func:`count_commands`) if given."""
+def render(
+    figures: dict[str, float],
+    commands: dict[str, float] | None = None,
+    thread: dict[str, float] | None = None,
+) -> list[str]:
+    """The table of ``figures`` (``ServerTime.commands``), each against the first kind,
+    with the commands per cycle (from :func:`count_commands`) and the main thread's µs
+    (``ServerTime.thread``), if given (results of older runs have neither)."""
     labels = list(figures)
     base, mutex = figures[labels[0]], figures.get("asynclock mutex")
-    counted = commands is not None and bool(commands)
+    counted = bool(commands)
+    timed = bool(thread) and labels[0] in (thread or {})
     lines = [
         "| cycle | server µs per cycle | ÷ the recipe | ÷ the mutex |"
-        + (" commands per cycle |" if counted else ""),
-        "|---|---|---|---|" + ("---|" if counted else ""),
+        + (" commands per cycle |" if counted else "")
+        + (" main thread µs per cycle | ÷ the recipe |" if timed else ""),
+        "|---|---|---|---|" + ("---|" if counted else "") + ("---|---|" if timed else ""),
     ]
     for label, us in figures.items():
         against = f"{us / mutex:.2f}x" if mutex else "-"
-        count = f" {commands[label]:.0f} |" if commands and label in commands else ""
-        lines.append(f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |" + count)
+        row = f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |"
+        if commands:
+            row += f" {commands[label]:.0f} |" if label in commands else " - |"
+        if thread and timed:
+            cpu = thread.get(label)
+            row += f" {cpu:.1f} | {cpu / thread[labels[0]]:.2f}x |" if cpu else " - | - |"
+        lines.append(row)
     return lines
 
 
 def server_section(
-    figures: dict[str, float], commands: dict[str, float] | None = None
+    figures: dict[str, float],
+    commands: dict[str, float] | None = None,
+    thread: dict[str, float] | None = None,
 ) -> list[str]:
-    """The section of a report on ``figures`` (and ``commands``, see :func:`render`):
-    how they were measured, and the table."""
+    """The section of a report on ``figures`` (and ``commands`` and ``thread``, see
+    :func:`render`): how they were measured, and the table."""
     return [
         "Server µs of Redis's main thread per uncontended acquire + release, from `INFO "
         "commandstats` (the commands each kind sends itself; a script's time includes the "
@@ -237,9 +277,14 @@ def server_section(
         "counted); a command called from a script costs from about 0.4 µs (a read of an "
         "absent key) to 2 µs (a key made and removed), so the count is a guide, not the "
         "figure (what each script runs, and what each saved µs cost: "
-        "[history.md](history.md#server-time-per-cycle)).",
+        "[history.md](history.md#server-time-per-cycle)). *Main thread µs*: the main "
+        "thread's CPU time over the same blocks (`INFO cpu`), everything it did for a "
+        "cycle, reading the requests and writing the replies included: on loopback most "
+        "of it is that I/O, the same for every kind (two round trips per cycle, one "
+        "request in flight at a time: a server busy with many clients reads several per "
+        "wake-up, and the commands' own µs weigh more there).",
         "",
-        *render(figures, commands),
+        *render(figures, commands, thread),
         "",
     ]
 
@@ -261,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         with RedisServer() as server:
             figures = asyncio.run(measure(server.url, blocks, per_block))
             commands = asyncio.run(count_commands(server.url))
-    print("\n".join(render(figures, commands)))
+    print("\n".join(render(figures.commands, commands, figures.thread)))
     return 0
 
 
