@@ -254,7 +254,8 @@ async def run(url: str, quick: bool) -> str:
         f"redis-py {redis.__version__}, asynclock {asynclock.__version__}, a private server "
         "on loopback, client and server unpinned on 2 cores (load average "
         f"{os.getloadavg()[0]:.2f} at the end: other work on the machine skews the µs, read "
-        "the ratios). python-redis-lock is not installed, so it is not measured.",
+        "the ratios). The kinds' hand-overs beside python-redis-lock's mutex are in the "
+        "full run (`python -m benchmarks`, results.md).",
         "",
         f"Uncontended acquire + release, one task (median of {blocks} alternating blocks "
         f"of {per_block} cycles, one client):",
