@@ -370,6 +370,33 @@ async def test_a_lost_index_never_gives_a_held_permit_twice(client: Redis, prefi
         assert lease.state is asynclock.LeaseState.RELEASED
 
 
+async def test_a_retry_after_the_index_was_lost_leaves_the_others_free(
+    client: Redis, prefix: str
+) -> None:
+    """An attempt re-sent (its reply lost) after the index was deleted from outside finds
+    its permit, slot 1, and does not put it back alone: the index expires, and the two
+    free permits of three are found (slot 0 was passed over for good, and the index
+    kept without expiry, when the retry re-created it holding slot 1 alone)."""
+    base = f"{prefix}{{relost}}"
+    token = "a" * 32
+    keys = [base + ":limit", base + ":fence", f"{base}:void:{token}", base, base + ":permits"]
+    args = [token, 5000, 50000, 3]
+    first = await asynclock.acquire(client, "relost", limit=3, ttl=5, prefix=prefix)
+    taken = await SEMAPHORE_ACQUIRE(client, keys, args)
+    assert taken[2] == 1  # type: ignore[index]
+    await first.release()
+    await client.delete(base + ":permits")
+    assert await SEMAPHORE_ACQUIRE(client, keys, args) == taken
+    others = [
+        await asynclock.acquire(client, "relost", limit=3, ttl=5, prefix=prefix, blocking=False)
+        for _ in range(2)
+    ]
+    assert sorted(o.key for o in others) == [base + ":permit:0", base + ":permit:2"]
+    assert await client.pttl(base + ":permits") > 0  # (it expires)
+    for lease in others:
+        await lease.release()
+
+
 async def test_the_index_goes_with_the_last_permit(client: Redis, prefix: str) -> None:
     """Permits taken and given back, then one left to expire (its holder gone): the
     index expires with it, and the semaphore starts again from slot 0."""

@@ -711,7 +711,10 @@ if attempt then  -- a retry of ours: the permit it took, if still ours
   if {_held()} then
     redis.call('PEXPIRE', stem .. slot, ttl)
     redis.call('PEXPIRE', KEYS[3], ttl)
-    index(slot, now + ttl)
+    -- (XX: a slot joins the index at its end only, by the search below; one the index
+    -- lost, from outside, is added back when a search reaches it)
+    redis.call('ZADD', KEYS[5], 'XX', now + ttl, slot)
+    redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
     return {{1, {_FENCE_OF}, tonumber(slot)}}
   end
 end
