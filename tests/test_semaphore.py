@@ -397,6 +397,60 @@ async def test_a_retry_after_the_index_was_lost_leaves_the_others_free(
         await lease.release()
 
 
+# Waits, inside the server, until 0.1 ms into the millisecond at which KEYS[1] (a permit
+# key) expires and KEYS[2]'s slot 0 scores (the later of the two), so that the command
+# sent next runs in that millisecond, when the key still lives (it lives while the time is
+# not past its expiry). By the server's TIME where it moves inside a script (Redis 7.0);
+# else (Valkey: a script's TIME is its start) by the CPU clock, which a spin keeps in step.
+_INTO_ITS_LAST_MS = """local ends = math.max(redis.call('PEXPIRETIME', KEYS[1]),
+  tonumber(redis.call('ZSCORE', KEYS[2], '0')))
+local function us() local t = redis.call('TIME') return t[1] * 1000000 + t[2] end
+local start, target = us(), ends * 1000 + 100
+local found, os = pcall(function() return os end)
+if found and os then
+  local c = os.clock()
+  while (os.clock() - c) * 1000000 < target - start do end
+else
+  while us() < target do end
+end
+return ends
+"""
+
+
+async def test_a_permit_found_in_its_last_millisecond_is_free_right_after(
+    client: Redis, prefix: str
+) -> None:
+    """An attempt that runs in the last millisecond of a permit (its slot's score reached,
+    its key not yet expired: PTTL 0) marks the slot held for that millisecond only: the
+    busy reply says so, and the permit is taken a moment later. (It scored the slot a
+    full ttl ahead: a free permit refused for a ttl.)"""
+    seen = 0
+    for round in range(10):  # (until the attempt has run in that millisecond a few times)
+        base = f"{prefix}{{last{round}}}"
+
+        def keys(token: str, base: str = base) -> list[str]:
+            void = f"{base}:void:{token}"
+            return [base + ":limit", base + ":fence", void, base, base + ":permits"]
+
+        holder, seeker, later = "b" * 32, "c" * 32, "d" * 32
+        await SEMAPHORE_ACQUIRE(client, keys(holder), [holder, 20, 60000, 1])
+        async with client.pipeline(transaction=False) as pipe:  # (one connection, in order)
+            pipe.eval(_INTO_ITS_LAST_MS, 2, base + ":permit:0", base + ":permits")
+            pipe.evalsha(SEMAPHORE_ACQUIRE.sha, 5, *keys(seeker), seeker, 5000, 60000, 1)
+            _, reply = await pipe.execute()
+        status, pttl, *_ = (int(x) for x in reply)
+        if status == 1:  # (it ran a millisecond late: the key had expired)
+            continue
+        seen += 1
+        assert (status, pttl) in [(0, 1), (0, 2)]
+        await asyncio.sleep(0.01)
+        taken = await SEMAPHORE_ACQUIRE(client, keys(later), [later, 5000, 60000, 1])
+        assert taken[0] == 1  # type: ignore[index]
+        if seen == 3:
+            break
+    assert seen > 0
+
+
 async def test_the_index_goes_with_the_last_permit(client: Redis, prefix: str) -> None:
     """Permits taken and given back, then one left to expire (its holder gone): the
     index expires with it, and the semaphore starts again from slot 0."""

@@ -740,8 +740,10 @@ for _ = 0, limit do
     index(slot, now + ttl)
     return {1, fence, tonumber(slot)}
   end
-  local pttl = redis.call('PTTL', stem .. slot)  -- (-1, no expiry: looked at after a ttl)
-  index(slot, now + (pttl > 0 and pttl or ttl))
+  -- (-1, no expiry: looked at after a ttl; 0, its last millisecond: a key lives while
+  -- the time is not past its expiry, so a score equal to that time may find it held)
+  local pttl = redis.call('PTTL', stem .. slot)
+  index(slot, now + (pttl >= 0 and pttl + 1 or ttl))
 end
 return {0, ttl}
 """,
