@@ -258,6 +258,29 @@ async def test_one_name_one_limit(client: Redis, prefix: str) -> None:
             await asynclock.acquire(client, "plain", limit=2, prefix=prefix)
 
 
+async def test_the_limit_lives_as_long_as_its_permits(client: Redis, prefix: str) -> None:
+    """The limit is kept while a permit of it may be held: one renewed past the limit's
+    own lifetime (fence_ttl from the last acquire), one kept by hold_at_least past it
+    (even after another acquire): another limit is refused all along, and statistics()
+    says the limit. (The limit expired under held permits: a permit of another limit
+    was taken beside them, over the limit, and statistics() said none.)"""
+    options = {"ttl": 0.3, "fence_ttl": 0.3, "prefix": prefix}
+    async with asynclock.lease(client, "long", limit=2, **options):
+        await asyncio.sleep(1)
+        with pytest.raises(LimitConflict, match="limit=2, not 3"):
+            await asynclock.acquire(client, "long", limit=3, blocking=False, **options)
+        assert (await asynclock.statistics(client, "long", prefix=prefix)).limit == 2
+    kept = await asynclock.acquire(client, "kept", limit=2, hold_at_least=1.5, **options)
+    await kept.release()  # (kept until 1.5 s after its acquisition)
+    other = await asynclock.acquire(client, "kept", limit=2, **options)
+    await other.release()
+    await asyncio.sleep(0.6)
+    with pytest.raises(LimitConflict, match="limit=2, not 3"):
+        await asynclock.acquire(client, "kept", limit=3, blocking=False, **options)
+    stats = await asynclock.statistics(client, "kept", prefix=prefix)
+    assert (stats.permits_in_use, stats.limit) == (1, 2)
+
+
 async def test_max_hold_bounds_a_permit(client: Redis, prefix: str) -> None:
     """max_hold applies to a permit like any lease: cancelled, LockLost(max_hold)."""
     events: list[asynclock.LeaseEvent] = []

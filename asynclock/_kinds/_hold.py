@@ -63,9 +63,10 @@ def of_lock(options: LeaseOptions) -> Hold:
 
 
 def of_permit(options: LeaseOptions, slot: int) -> Hold:
-    """A semaphore's permit ``slot``: its key, and its slot in the semaphore's index."""
+    """A semaphore's permit ``slot``: its key, its slot in the semaphore's index, and the
+    limit (kept as long as the permit)."""
     permit = options.permit(slot)
-    keys = (permit.key, options.permits_key)
+    keys = (permit.key, options.permits_key, options.limit_key)
     return Hold(permit, keys, PERMIT_RENEW, PERMIT_RENEW_HEAD, PERMIT_RELEASE)
 
 

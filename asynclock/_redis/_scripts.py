@@ -13,7 +13,7 @@ they live in one Redis Cluster slot)::
     P{N}:permit:<i>      permit i of a semaphore (lease(..., limit=L), 0 <= i < L): a
                          lease key as P{N} is (its attempt's void key holds "p<i>")
     P{N}:permits         a semaphore's index: slot -> server ms its permit expires at
-    P{N}:limit           the limit a semaphore's permits are held with
+    P{N}:limit           the limit a semaphore's permits are held with (kept while they are)
     P{N}:readers         shared leases' holders (lease(..., shared=True)) while more
                          than one holds: sorted set, member "<token>:<fencing token>"
                          -> server ms until which it lives; PX = its longest member's,
@@ -711,6 +711,7 @@ if attempt then  -- a retry of ours: the permit it took, if still ours
   if {_held()} then
     redis.call('PEXPIRE', stem .. slot, ttl)
     redis.call('PEXPIRE', KEYS[3], ttl)
+    redis.call('PEXPIRE', KEYS[1], ARGV[3], 'GT')
     -- (XX: a slot joins the index at its end only, by the search below; one the index
     -- lost, from outside, is added back when a search reaches it)
     redis.call('ZADD', KEYS[5], 'XX', now + ttl, slot)
@@ -735,7 +736,11 @@ for _ = 0, limit do
 """
     + _MINT_AND_STORE_FENCE
     + """if redis.call('SET', stem .. slot, ARGV[1] .. ':' .. text, 'PX', ttl, 'NX') then
-    redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
+    if held_with then  -- (never shortened: see _KEEP_PERMIT)
+      redis.call('PEXPIRE', KEYS[1], ARGV[3], 'GT')
+    else
+      redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
+    end
     redis.call('SET', KEYS[3], 'p' .. slot, 'PX', ttl)
     index(slot, now + ttl)
     return {1, fence, tonumber(slot)}
@@ -775,20 +780,23 @@ return 1
 )
 
 # The permit of PERMIT_RENEW and PERMIT_RELEASE (KEYS[1] '<lock key>:permit:<slot>',
-# KEYS[2] the permits' index) kept for ARGV[n] ms more, its slot's score with it (the
-# index's expiry is never shortened).
+# KEYS[2] the permits' index, KEYS[3] the limit they are held with) kept for ARGV[n] ms
+# more, its slot's score with it; the index and the limit live at least as long (their
+# expiry is never shortened): a permit renewed past the limit's own expiry (the fence
+# counter's ttl from the last acquire) keeps it, so that another limit is still refused.
 _KEEP_PERMIT = (
     """redis.call('PEXPIRE', KEYS[1], ARGV[{n}])
 """
     + _NOW
     + """redis.call('ZADD', KEYS[2], 'XX', now + ARGV[{n}], slot)
 redis.call('PEXPIRE', KEYS[2], ARGV[{n}], 'GT')
+redis.call('PEXPIRE', KEYS[3], ARGV[{n}], 'GT')
 """
 )
 
-# PERMIT_RENEW: KEYS[1] the permit's key, KEYS[2] the permits' index; ARGV[1] the permit's
-# full value, ARGV[2] ttl (ms). Returns 1 when the key still holds our value (its TTL, and
-# its slot's score, now exactly ttl from now), else 0.
+# PERMIT_RENEW: KEYS[1] the permit's key, KEYS[2] the permits' index, KEYS[3] the limit;
+# ARGV[1] the permit's full value, ARGV[2] ttl (ms). Returns 1 when the key still holds our
+# value (its TTL, and its slot's score, now exactly ttl from now), else 0.
 PERMIT_RENEW = Script(
     "permit_renew",
     """if redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -800,14 +808,14 @@ local slot = string.match(KEYS[1], '(%d+)$')
     + "return 1\n",
 )
 
-PERMIT_RENEW_HEAD: Final = b"*7\r\n" + pack_args(("EVALSHA", PERMIT_RENEW.sha, 2))
-"""The start of a packed PERMIT_RENEW command; the permit's key, the index, the permit's
-value and ttl (ms) follow."""
+PERMIT_RENEW_HEAD: Final = b"*8\r\n" + pack_args(("EVALSHA", PERMIT_RENEW.sha, 3))
+"""The start of a packed PERMIT_RENEW command; the permit's key, the index, the limit,
+the permit's value and ttl (ms) follow."""
 
-# PERMIT_RELEASE: KEYS[1] the permit's key, KEYS[2] the permits' index; ARGV[1] the
-# permit's full value, ARGV[2] the release channel, ARGV[3] the releasing client's origin
-# id, ARGV[4] (optional, hold_at_least) ms to keep the permit for. Returns 1 when our
-# permit was given back (or kept) and waiters notified, 0 when not ours.
+# PERMIT_RELEASE: KEYS[1] the permit's key, KEYS[2] the permits' index, KEYS[3] the limit;
+# ARGV[1] the permit's full value, ARGV[2] the release channel, ARGV[3] the releasing
+# client's origin id, ARGV[4] (optional, hold_at_least) ms to keep the permit for. Returns
+# 1 when our permit was given back (or kept) and waiters notified, 0 when not ours.
 PERMIT_RELEASE = Script(
     "permit_release",
     """if redis.call('GET', KEYS[1]) ~= ARGV[1] then
