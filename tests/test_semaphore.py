@@ -281,6 +281,40 @@ async def test_the_limit_lives_as_long_as_its_permits(client: Redis, prefix: str
     assert (stats.permits_in_use, stats.limit) == (1, 2)
 
 
+async def test_another_limit_once_no_permit_is_held(client: Redis, prefix: str) -> None:
+    """Once every permit is given back or has expired, a permit asked with another limit
+    is granted, and the semaphore holds that limit from then on, counting its slots
+    from 0 (a smaller one takes no slot of the old limit above its own). (The old limit
+    was refused for fence_ttl, 60 s here, after its last permit.)"""
+    held = [await asynclock.acquire(client, "change", limit=3, prefix=prefix) for _ in range(3)]
+    for lease in held:
+        await lease.release()
+    smaller = [
+        await asynclock.acquire(client, "change", limit=2, prefix=prefix, blocking=False)
+        for _ in range(2)
+    ]
+    assert sorted(lease.key.rpartition(":")[2] for lease in smaller) == ["0", "1"]
+    with pytest.raises(LockBusy):
+        await asynclock.acquire(client, "change", limit=2, prefix=prefix, blocking=False)
+    with pytest.raises(LimitConflict, match="limit=2, not 4"):
+        await asynclock.acquire(client, "change", limit=4, prefix=prefix, blocking=False)
+    for lease in smaller:
+        await lease.release()
+    base = f"{prefix}{{change}}"
+    token = "d" * 32  # (a holder that dies: its permit expires)
+    keys = [base + ":limit", base + ":fence", f"{base}:void:{token}", base, base + ":permits"]
+    assert (await SEMAPHORE_ACQUIRE(client, keys, [token, 200, 60000, 2]))[0] == 1  # type: ignore[index]
+    with pytest.raises(LimitConflict, match="limit=2, not 5"):
+        await asynclock.acquire(client, "change", limit=5, prefix=prefix, blocking=False)
+    await asyncio.sleep(0.3)
+    async with asynclock.lease(client, "change", limit=5, prefix=prefix, blocking=False):
+        stats = await asynclock.statistics(client, "change", prefix=prefix)
+        assert (stats.limit, stats.permits_in_use) == (5, 1)
+        await client.delete(base + ":permits")  # (lost: the permit keys still say)
+        with pytest.raises(LimitConflict, match="limit=5, not 2"):
+            await asynclock.acquire(client, "change", limit=2, prefix=prefix, blocking=False)
+
+
 async def test_max_hold_bounds_a_permit(client: Redis, prefix: str) -> None:
     """max_hold applies to a permit like any lease: cancelled, LockLost(max_hold)."""
     events: list[asynclock.LeaseEvent] = []

@@ -676,8 +676,9 @@ return deleted
 # ARGV[1] token, ARGV[2] lease ttl (ms), ARGV[3] fence counter ttl (ms), ARGV[4] limit
 # Returns {1, fencing token, slot} when a permit is held by this token (new, or a retry of
 # ours), {0, pttl in ms of the permit that expires first} when all are held, {-1, 0} when
-# this attempt was abandoned, {-2, the limit they are held with} for another limit, {-3,
-# 0} when the lock is held as a plain lock (limit 1).
+# this attempt was abandoned, {-2, the limit they are held with} for another limit while
+# a permit of it may be held (else the semaphore takes ARGV[4] from then on), {-3, 0}
+# when the lock is held as a plain lock (limit 1).
 # (One pass of the loop, unless a permit key disagrees with its score: written from
 # outside the scripts; it is then indexed as it is and the next candidate taken, N + 1
 # passes at most.)
@@ -689,7 +690,24 @@ if attempt == '1' then
   return {-1, 0}
 end
 if held_with and held_with ~= ARGV[4] then
-  return {-2, held_with}
+  -- another limit: refused while a permit of it may be held (a slot's score not passed,
+  -- or, the index lost, a permit key there); once none is, its slots are dropped and
+  -- ours are taken from 0. (Only on this path: the keys once per change of limit.)
+  local t = redis.call('TIME')
+  local now = """
+    + _NOW_MS
+    + """
+  if redis.call('ZCOUNT', KEYS[5], now, '+inf') > 0 then
+    return {-2, held_with}
+  end
+  local permits = {}
+  for slot = 0, math.min(tonumber(held_with) or 1000, 1000) - 1 do
+    permits[slot + 1] = KEYS[4] .. ':permit:' .. slot
+  end
+  if #permits > 0 and redis.call('EXISTS', unpack(permits)) > 0 then
+    return {-2, held_with}
+  end
+  redis.call('DEL', KEYS[5])
 end
 if found[3] then  -- (a plain lock's key holds a string, as a shared lease's marker does)
   return {-3, 0}
@@ -736,7 +754,7 @@ for _ = 0, limit do
 """
     + _MINT_AND_STORE_FENCE
     + """if redis.call('SET', stem .. slot, ARGV[1] .. ':' .. text, 'PX', ttl, 'NX') then
-    if held_with then  -- (never shortened: see _KEEP_PERMIT)
+    if held_with == ARGV[4] then  -- (never shortened: see _KEEP_PERMIT)
       redis.call('PEXPIRE', KEYS[1], ARGV[3], 'GT')
     else
       redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3])
