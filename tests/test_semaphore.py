@@ -258,6 +258,29 @@ async def test_one_name_one_limit(client: Redis, prefix: str) -> None:
             await asynclock.acquire(client, "plain", limit=2, prefix=prefix)
 
 
+@pytest.mark.parametrize("kind", [{}, {"fair": True}])
+async def test_a_lease_of_limit_1_beside_held_permits_is_refused(
+    client: Redis, prefix: str, kind: dict[str, bool]
+) -> None:
+    """One name, one limit, in both directions: a plain or fair lease asked of a
+    name whose permits are held raises LimitConflict (it held the lock beside them
+    before), whether it would wait or not, and leaves nothing behind; once no permit is
+    held, it takes the lock."""
+    name = "mixed-" + "-".join(kind) if kind else "mixed"
+    permit = await asynclock.acquire(client, name, limit=2, ttl=5, prefix=prefix)
+    for blocking in (False, True):
+        with pytest.raises(LimitConflict, match="limit=2, not 1"):
+            await asynclock.acquire(client, name, prefix=prefix, blocking=blocking, **kind)
+    assert await client.get(f"{prefix}{{{name}}}") is None
+    stats = await asynclock.statistics(client, name, prefix=prefix)
+    assert stats.permits_in_use == 1
+    await permit.release()
+    async with asynclock.lease(client, name, prefix=prefix, blocking=False, **kind) as held:
+        assert held.fencing_token > permit.fencing_token
+        with pytest.raises(LimitConflict, match="plain lock"):
+            await asynclock.acquire(client, name, limit=2, prefix=prefix, blocking=False)
+
+
 async def test_the_limit_lives_as_long_as_its_permits(client: Redis, prefix: str) -> None:
     """The limit is kept while a permit of it may be held: one renewed past the limit's
     own lifetime (fence_ttl from the last acquire), one kept by hold_at_least past it

@@ -51,7 +51,7 @@ from typing import Final, cast
 
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
 
-from .._base._exceptions import AcquireTimeout, LockBusy
+from .._base._exceptions import AcquireTimeout, LimitConflict, LockBusy
 from .._base._options import LeaseOptions
 from .._base._shield import finish
 from .._redis._lane import not_sent
@@ -159,20 +159,28 @@ class Refused:
     error: Exception
 
 
-def answer(reply: object, t_send: float, *, pending: bool = False) -> Granted | Busy:
+def answer(
+    reply: object, t_send: float, options: LeaseOptions, *, pending: bool = False
+) -> Granted | Busy | Refused:
     """The replies every acquire script shares, once a kind has read its own: the lock
     taken with the attempt sent at ``t_send``, answered with its fencing token alone (an
     integer: the plain and fair locks' scripts) or as (1, fencing token[, a permit's
-    slot]); (0, the holder's time left in ms) busy (``pending``: see ``Busy``). Any other
-    status left here is (-1, 0), the answer to an abandoned attempt (its tombstone), which
-    the engine never reads: a bug."""
+    slot]); (0, the holder's time left in ms) busy (``pending``: see ``Busy``); (-2, the
+    limit) permits of the name held with another limit than ``options.limit``
+    (``LimitConflict``: one name, one limit). Any other status left here is (-1, 0), the
+    answer to an abandoned attempt (its tombstone), which the engine never reads: a bug."""
     if isinstance(reply, int):
         return Granted(reply, t_send)
-    status, value, *slot = (int(x) for x in cast(list[int | bytes], reply))
+    raw_status, raw_value, *slot = cast(list[int | bytes], reply)
+    status = int(raw_status)
+    if status == -2:
+        theirs = raw_value.decode() if isinstance(raw_value, bytes) else str(raw_value)
+        why = f"held with limit={theirs}, not {options.limit}"
+        return Refused(LimitConflict(options.name, why))
     if status == 1:
-        return Granted(value, t_send, slot[0] if slot else -1)
+        return Granted(int(raw_value), t_send, int(slot[0]) if slot else -1)
     if status == 0:
-        return Busy(value, pending)
+        return Busy(int(raw_value), pending)
     raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
 
 

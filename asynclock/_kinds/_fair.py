@@ -58,7 +58,7 @@ class Fair(Kind):
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """The fencing token alone: the lock; (0, the holder's pttl in ms; 0 when the lock
         is free but another waiter's turn), a waiting attempt's place in the queue kept."""
-        return answer(reply, t_send, pending=waiting)
+        return answer(reply, t_send, self._options, pending=waiting)
 
     def pause(self, busy: Busy) -> float:
         """At least every FAIR_PATIENCE / 2, so that our place in the queue stays alive."""

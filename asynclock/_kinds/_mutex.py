@@ -187,7 +187,7 @@ class Mutex(Kind):
                 return Refused(JobConflict(raw_value))
             if status == 4:
                 return Refused(JobUnstored(raw_value))
-        return answer(reply, t_send)
+        return answer(reply, t_send, self._options)
 
     def answered(self, outcome: Granted | Busy, waiting: bool) -> None:
         if waiting:

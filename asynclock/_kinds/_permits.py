@@ -62,16 +62,10 @@ class Permits(Kind):
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """(1, fence, slot): a permit; (0, pttl of the first to expire); (-2, the limit
         the permits are held with); (-3): held as a plain lock."""
-        status, value, *_ = cast(list[int | bytes], reply)
-        status = int(status)
         options = self._options
-        if status == -2:
-            theirs = value.decode() if isinstance(value, bytes) else str(value)
-            why = f"held with limit={theirs}, not {options.limit}"
-            return Refused(LimitConflict(options.name, why))
-        if status == -3:
+        if int(cast(list[int], reply)[0]) == -3:
             return Refused(LimitConflict(options.name, "held as a plain lock (limit=1)"))
-        return answer(reply, t_send)
+        return answer(reply, t_send, options)
 
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)

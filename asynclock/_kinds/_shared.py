@@ -46,7 +46,7 @@ class Shared(Kind):
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """(1, fence): a shared hold; (0, ms to wait at most before trying again)."""
-        return answer(reply, t_send)
+        return answer(reply, t_send, self._options)
 
     def pause(self, busy: Busy) -> float:
         return until_expiry(self._options, busy.pttl_ms)

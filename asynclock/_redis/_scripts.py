@@ -316,6 +316,42 @@ end
 """
 
 
+def _no_permits(limit: str, index: str, stem: str, forget: str) -> str:
+    """Lua: return {-2, ``limit``} while a permit of a semaphore held with ``limit`` may be
+    held (a slot's score in its index ``index`` not passed, or, the index lost, a permit
+    key ``stem`` .. slot left); else delete ``forget`` (keys: the semaphore's left-overs)
+    and go on. Runs only when the semaphore's limit key exists and is not the caller's:
+    one name, one limit (its ``EXISTS`` names up to 1,000 keys, once per change)."""
+    return f"""do
+  local t = redis.call('TIME')
+  if redis.call('ZCOUNT', {index}, {_NOW_MS}, '+inf') > 0 then
+    return {{-2, {limit}}}
+  end
+  local permits = {{}}
+  for slot = 0, math.min(tonumber({limit}) or 1000, 1000) - 1 do
+    permits[slot + 1] = {stem} .. slot
+  end
+  if #permits > 0 and redis.call('EXISTS', unpack(permits)) > 0 then
+    return {{-2, {limit}}}
+  end
+  redis.call('DEL', {forget})
+end
+"""
+
+
+# A semaphore's limit key, its index and the stem of its permit keys, named from the lock's
+# key KEYS[1] by the scripts of the kinds of limit 1 (``LeaseOptions.limit_key``,
+# ``permits_key``, ``permit``: the same names; the lock's hash tag, so the same Cluster
+# slot), which refuse the lock while permits are held (see _no_permits).
+_LIMIT_KEY = "KEYS[1] .. ':limit'"
+_PERMITS_OF_LOCK = _no_permits(
+    "held_with",
+    "KEYS[1] .. ':permits'",
+    "KEYS[1] .. ':permit:'",
+    f"{_LIMIT_KEY}, KEYS[1] .. ':permits'",
+)
+
+
 # -- the plain lock (mutex) ---------------------------------------------------------------
 # ACQUIRE: KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
 # KEYS[4] the lock's waiting hash (see HANDOFF)
@@ -333,21 +369,25 @@ end
 # Returns the fencing token alone (an integer) when held by this token (new, or a retry
 #           of ours: a reply that is not a table, which saves the server about 0.4 µs),
 #         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
-#         {-1, 0} when this attempt was abandoned (its tombstone exists).
+#         {-1, 0} when this attempt was abandoned (its tombstone exists),
+#         {-2, their limit} when the lock is free but permits of a semaphore of the name
+#           may be held (one name, one limit: see _no_permits).
 # An attempt outside a blocking wait may send KEYS[1..3] and ARGV[1..3] only (ARGV[4] and
 # ARGV[6] absent count as ''). An uncontended success (ARGV[6] '') reads, mints and
 # writes, and returns before any of the registration's bookkeeping is even defined.
 _ACQUIRE_SOURCE = (
-    """local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease)
-if found[1] then
-  return {-1, 0}
+    f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
+if found[1] then  -- the lease, a semaphore's limit)
+  return {{-1, 0}}
 end
 --[[job-prologue]]
-local current = found[2]
+local current, held_with = found[2], found[3]
 local suffix = ''
 --[[job-current]]
 local fence, text
 if not current then
+  if held_with then
+{_PERMITS_OF_LOCK}  end
   local t = redis.call('TIME')
 """
     + _MINT_AND_STORE_FENCE
@@ -690,25 +730,11 @@ if attempt == '1' then
   return {-1, 0}
 end
 if held_with and held_with ~= ARGV[4] then
-  -- another limit: refused while a permit of it may be held (a slot's score not passed,
-  -- or, the index lost, a permit key there); once none is, its slots are dropped and
-  -- ours are taken from 0. (Only on this path: the keys once per change of limit.)
-  local t = redis.call('TIME')
-  local now = """
-    + _NOW_MS
-    + """
-  if redis.call('ZCOUNT', KEYS[5], now, '+inf') > 0 then
-    return {-2, held_with}
-  end
-  local permits = {}
-  for slot = 0, math.min(tonumber(held_with) or 1000, 1000) - 1 do
-    permits[slot + 1] = KEYS[4] .. ':permit:' .. slot
-  end
-  if #permits > 0 and redis.call('EXISTS', unpack(permits)) > 0 then
-    return {-2, held_with}
-  end
-  redis.call('DEL', KEYS[5])
-end
+  -- another limit: refused while a permit of it may be held; once none is, its slots are
+  -- dropped and ours are taken from 0
+"""
+    + _no_permits("held_with", "KEYS[5]", "KEYS[4] .. ':permit:'", "KEYS[5]")
+    + """end
 if found[3] then  -- (a plain lock's key holds a string, as a shared lease's marker does)
   return {-3, 0}
 end
@@ -867,18 +893,21 @@ return 1
 # Returns the fencing token alone (an integer, as ACQUIRE's) when held by this token (new,
 #           or a retry of ours),
 #         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
-#         {-1, 0} when this attempt was abandoned (its tombstone exists).
+#         {-1, 0} when this attempt was abandoned (its tombstone exists),
+#         {-2, their limit} as ACQUIRE's.
 FAIR_ACQUIRE = Script(
     "fair_acquire",
-    f"""local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lease)
-if found[1] then
+    f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
+if found[1] then  -- the lease, a semaphore's limit)
   return {{-1, 0}}
 end
-local current = found[2]
+local current, held_with = found[2], found[3]
 if {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {_FENCE_OF}
 end
+if held_with and not current then
+{_PERMITS_OF_LOCK}end
 """
     + _NOW
     + """local head = nil
