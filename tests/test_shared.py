@@ -21,9 +21,10 @@ import pytest
 from helpers import wait_until
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 
 import asynclock
-from asynclock import LockBusy, LockLost, LossReason
+from asynclock import LeaseEventKind, LockBusy, LockLost, LossReason
 from asynclock._redis._scripts import (
     SHARED_ABANDON,
     SHARED_ACQUIRE,
@@ -32,6 +33,7 @@ from asynclock._redis._scripts import (
     SHARED_RENEW,
     Script,
 )
+from asynclock.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -379,3 +381,67 @@ async def test_a_shared_acquire_whose_reply_was_lost_is_sent_again_and_finds_its
     for other in others:
         await other.release()
     assert not await client.exists(prefix + "{lost-reply}", readers)
+
+
+async def test_out_of_memory_shared_holders_in_the_set_renew_and_attempts_are_undone(
+    private_server: RedisServer, prefix: str
+) -> None:
+    """Out of memory under noeviction: two shared leases (members of the readers' set)
+    keep renewing, as any held lease does, and release cleanly; an acquire sent again
+    after a lost reply finds its member, and an abandoned attempt is given back. (Each
+    script writes first with a command that maxmemory never refuses: a ZADD or SET first
+    is refused.)"""
+    client = Redis.from_url(private_server.url)
+    events: list[asynclock.LeaseEvent] = []
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    c, d, e = "c" * 32, "d" * 32, "e" * 32
+    try:
+        first = await asynclock.acquire(
+            client, "held", shared=True, ttl=0.6, prefix=prefix, on_event=events.append
+        )
+        second = await asynclock.acquire(client, "held", shared=True, ttl=0.6, prefix=prefix)
+        fences = {}
+        for token in (c, d, e):
+            _, fences[token] = await SHARED_ACQUIRE(
+                client, _attempt_keys(prefix, token), [token, _TTL, _FENCE_TTL]
+            )
+        await _run_out_of_memory(client, prefix)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:
+            assert await first.is_held()
+            assert await second.is_held()
+            await asyncio.sleep(0.05)
+        assert await first.is_held(verify=True)
+        await first.release()
+        await second.release()
+        kinds = [event.kind for event in events]
+        assert kinds.count(LeaseEventKind.RENEWED) >= 4
+        assert LeaseEventKind.LOST not in kinds
+        assert await client.exists(prefix + "{held}", prefix + "{held}:readers") == 0
+        again = await SHARED_ACQUIRE(client, _attempt_keys(prefix, d), [d, _TTL, _FENCE_TTL, "1"])
+        assert again == [1, fences[d]]
+        undo = [readers, base, _attempt_keys(prefix, e)[2]]
+        assert await SHARED_ABANDON(client, undo, [e, "channel", "me", 10_000]) == 1
+        assert await SHARED_ACQUIRE(client, _attempt_keys(prefix, e), [e, _TTL, _FENCE_TTL]) == [
+            -1,
+            0,
+        ]
+        assert {_text(m) for m in await client.zrange(readers, 0, -1)} == {
+            f"{c}:{fences[c]}",
+            f"{d}:{fences[d]}",
+        }
+    finally:
+        await client.config_set("maxmemory", "0")
+        await client.aclose()
+
+
+async def _run_out_of_memory(client: Redis, prefix: str) -> None:
+    """Fill the server under ``noeviction`` until writes are refused, then lower
+    ``maxmemory`` below what is used (as test_fault_matrix does)."""
+    await client.config_set("maxmemory-policy", "noeviction")
+    await client.config_set("maxmemory", "2mb")
+    with pytest.raises(OutOfMemoryError):
+        for i in range(100_000):
+            await client.set(f"{prefix}fill:{i}", "x" * 1000)
+    used = (await client.info("memory"))["used_memory"]
+    await client.config_set("maxmemory", used - 64 * 1024)

@@ -1088,33 +1088,33 @@ end
 """
     + _NOW
     + """local ttl = tonumber(ARGV[2])
-local fence, text
 if holder == 'shared' and ARGV[4] == '1' then
 """
     + _find_reader("KEYS[5]")
-    + """  if member and score > now then  -- (a retry of ours)
-    fence = tonumber(string.sub(member, #ARGV[1] + 2))
+    + """  if member and score > now then  -- (a retry of ours: renewed as SHARED_RENEW does)
+    redis.call('PEXPIRE', KEYS[1], ttl, 'GT')  -- (first: see SHARED_RENEW)
+    redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
     redis.call('ZADD', KEYS[5], now + ttl, member)
+    return {1, tonumber(string.sub(member, #ARGV[1] + 2))}
   end
 end
-if not fence then
-  local waiting = redis.call('HGETALL', KEYS[4])
-  for i = 2, #waiting, 2 do
-    local until_ms = tonumber(string.match(waiting[i], '^%d+:(%d+)'))
-    if until_ms and until_ms > now then
-      local pttl = redis.call('PTTL', KEYS[1])
-      if pttl < 0 or pttl > 1000 then pttl = 1000 end
-      return {0, pttl}
-    end
+local waiting = redis.call('HGETALL', KEYS[4])
+for i = 2, #waiting, 2 do
+  local until_ms = tonumber(string.match(waiting[i], '^%d+:(%d+)'))
+  if until_ms and until_ms > now then
+    local pttl = redis.call('PTTL', KEYS[1])
+    if pttl < 0 or pttl > 1000 then pttl = 1000 end
+    return {0, pttl}
   end
+end
+local fence, text
 """
     + _MINT_AND_STORE_FENCE
     + """if not holder then  -- (the first reader in)
-    redis.call('SET', KEYS[1], 'shared:' .. ARGV[1] .. ':' .. text, 'PX', ttl)
-    return {1, fence}
-  end
-  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text)
+  redis.call('SET', KEYS[1], 'shared:' .. ARGV[1] .. ':' .. text, 'PX', ttl)
+  return {1, fence}
 end
+redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text)
 if alone then  -- the reader alone in the lock's key joins the set beside us
   local pttl = redis.call('PTTL', KEYS[1])
   if pttl < 0 then pttl = ttl end
@@ -1159,14 +1159,17 @@ end
 # SHARED_RENEW: KEYS[1] the readers, KEYS[2] the lock's key; ARGV[1] the reader's full
 # value, ARGV[2] ttl (ms). Returns 1 when still ours: alone in the lock's key (its expiry
 # now exactly ttl), or a member that had not expired (it, the set and the marker now live
-# >= ttl); else 0 (also when the marker is gone or an exclusive holder got in).
+# >= ttl); else 0 (also when the marker is gone or an exclusive holder got in). The
+# expiries are extended before the member's score: PEXPIRE is a write that maxmemory never
+# refuses, and Redis lets a script that has written go on writing, so that a held lease
+# renews under noeviction out of memory as a plain one does (a ZADD first is refused).
 SHARED_RENEW = Script(
     "shared_renew",
     _live_reader("  redis.call('PEXPIRE', KEYS[2], ARGV[2])\n  return 1\n")
     + """local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
 redis.call('PEXPIRE', KEYS[2], ttl, 'GT')
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 return 1
 """,
 )
@@ -1214,10 +1217,12 @@ local member = ARGV[1]
 # SHARED_ABANDON: undo a shared acquire attempt that may have landed, and stop it from
 # landing later. KEYS[1] the readers, KEYS[2] the lock's key, KEYS[3] the attempt's
 # tombstone; ARGV[1] token, ARGV[2] the release channel, ARGV[3] our origin id, ARGV[4]
-# tombstone ttl (ms). Returns 1 if it gave a shared hold back.
+# tombstone ttl (ms). Returns 1 if it gave a shared hold back. (It writes first with a
+# DEL, which maxmemory never refuses, so that out of memory the tombstone is written too.)
 SHARED_ABANDON = Script(
     "shared_abandon",
-    """redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+    """redis.call('DEL', KEYS[3])  -- (first: see above)
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
 local marker = redis.call('GET', KEYS[2])
 """
     + _leave_alone("marker and string.sub(marker, 1, #ARGV[1] + 8) == 'shared:' .. ARGV[1] .. ':'")
