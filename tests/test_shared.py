@@ -445,3 +445,22 @@ async def _run_out_of_memory(client: Redis, prefix: str) -> None:
             await client.set(f"{prefix}fill:{i}", "x" * 1000)
     used = (await client.info("memory"))["used_memory"]
     await client.config_set("maxmemory", used - 64 * 1024)
+
+
+async def test_a_reader_joining_a_marker_whose_set_is_gone_gives_the_set_an_expiry(
+    client: Redis, prefix: str
+) -> None:
+    """The readers' set gone while the marker stays (evicted, deleted from outside, or
+    expired a millisecond before it): a reader that joins makes the set anew, and it
+    expires with its member, as the marker does, rather than never."""
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    for token in (a, b):
+        await SHARED_ACQUIRE(client, _attempt_keys(prefix, token), [token, _TTL, _FENCE_TTL])
+    assert _text(await client.get(base)) == "shared"
+    await client.delete(readers)
+    ok, fc = await SHARED_ACQUIRE(client, _attempt_keys(prefix, c), [c, 2000, _FENCE_TTL])
+    assert ok == 1
+    assert [_text(m) for m in await client.zrange(readers, 0, -1)] == [f"{c}:{fc}"]
+    assert 1000 < await client.pttl(readers) <= 2000
+    assert 0 < await client.pttl(base) <= _TTL

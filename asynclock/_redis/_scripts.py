@@ -1066,7 +1066,8 @@ return (mine and mine > now) and 1 or 0
 #         {-1, 0} when this attempt was abandoned (its tombstone exists).
 # The first reader in writes only the lock's key; the second moves the first into the
 # set (scored with its key's expiry) beside itself, and the marker and the set live as
-# long as the longer of the two; later ones only ever extend them.
+# long as the longer of the two; later ones only ever extend them (and give the set an
+# expiry if it had none: made anew by the ZADD, the old one gone beside the marker).
 SHARED_ACQUIRE = Script(
     "shared_acquire",
     """local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lock's key)
@@ -1124,7 +1125,10 @@ if alone then  -- the reader alone in the lock's key joins the set beside us
   redis.call('PEXPIRE', KEYS[5], keep)
 else
   redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
-  redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
+  if redis.call('PEXPIRE', KEYS[5], ttl, 'GT') == 0 and redis.call('PTTL', KEYS[5]) == -1 then
+    -- (the set was gone beside the marker: our ZADD made it anew, GT leaves it without expiry)
+    redis.call('PEXPIRE', KEYS[5], ttl)
+  end
 end
 return {1, fence}
 """,
