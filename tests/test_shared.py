@@ -464,3 +464,43 @@ async def test_a_reader_joining_a_marker_whose_set_is_gone_gives_the_set_an_expi
     assert [_text(m) for m in await client.zrange(readers, 0, -1)] == [f"{c}:{fc}"]
     assert 1000 < await client.pttl(readers) <= 2000
     assert 0 < await client.pttl(base) <= _TTL
+
+
+async def test_an_acquire_sent_again_after_its_member_expired_leaves_one_member_per_token(
+    client: Redis, prefix: str
+) -> None:
+    """An acquire sent again (its outcome unknown) whose first run's member has expired
+    beside live readers takes a new hold; the expired member must not stay beside it:
+    in a large set (not a listpack: ZSCAN's order is the hash table's), an acquire sent
+    a third time, or the undo, could find the expired one, take a second hold or leave
+    the live one behind."""
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    for i in range(140):  # (live readers, more than zset-max-listpack-entries)
+        token = f"{i:032x}"
+        await SHARED_ACQUIRE(client, _attempt_keys(prefix, token), [token, 60_000, _FENCE_TTL])
+    tokens = [f"{'e' * 24}{i:08x}" for i in range(10)]
+    for token in tokens:  # (each landed, its reply lost, and it expired)
+        await SHARED_ACQUIRE(client, _attempt_keys(prefix, token), [token, 30, _FENCE_TTL])
+    await asyncio.sleep(0.08)
+
+    async def members(token: str) -> list[str]:
+        found = [_text(m) for m in await client.zrange(readers, 0, -1)]
+        return [str(m) for m in found if str(m).startswith(token + ":")]
+
+    again: dict[str, int] = {}
+    for token in tokens:
+        ok, again[token] = await SHARED_ACQUIRE(
+            client, _attempt_keys(prefix, token), [token, _TTL, _FENCE_TTL, "1"]
+        )
+        assert ok == 1
+        assert await members(token) == [f"{token}:{again[token]}"]
+    for token in tokens:  # (sent a third time: the same hold)
+        reply = await SHARED_ACQUIRE(
+            client, _attempt_keys(prefix, token), [token, _TTL, _FENCE_TTL, "1"]
+        )
+        assert reply == [1, again[token]]
+    for token in tokens:
+        undo = [readers, base, _attempt_keys(prefix, token)[2]]
+        assert await SHARED_ABANDON(client, undo, [token, "channel", "me", 10_000]) == 1
+        assert await members(token) == []
+    assert await client.zcard(readers) == 140

@@ -1058,7 +1058,8 @@ return (mine and mine > now) and 1 or 0
 # readers; ARGV[1] token, ARGV[2] ttl (ms), ARGV[3] fence ttl (ms), ARGV[4] '1' when an
 # earlier attempt with this token may have landed (its outcome unknown, or its grant
 # answered too late to use; absent: ''): only then is the token's member looked for in
-# the set (a reader alone is found in the lock's key by any attempt).
+# the set (a reader alone is found in the lock's key by any attempt); found expired, it
+# is removed, so that a token has one member at most (ZSCAN finds any one of several).
 # Returns {1, fencing token} when held by this token (new, or a retry of ours: its
 #           expiry renewed),
 #         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an exclusive
@@ -1097,6 +1098,9 @@ if holder == 'shared' and ARGV[4] == '1' then
     redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
     redis.call('ZADD', KEYS[5], now + ttl, member)
     return {1, tonumber(string.sub(member, #ARGV[1] + 2))}
+  end
+  if member then  -- (ours, expired: out, so that a token never has two members to find)
+    redis.call('ZREM', KEYS[5], member)
   end
 end
 local waiting = redis.call('HGETALL', KEYS[4])
