@@ -504,3 +504,26 @@ async def test_an_acquire_sent_again_after_its_member_expired_leaves_one_member_
         assert await SHARED_ABANDON(client, undo, [token, "channel", "me", 10_000]) == 1
         assert await members(token) == []
     assert await client.zcard(readers) == 140
+
+
+async def test_readers_whose_marker_was_lost_are_not_revived_by_readers_after_it(
+    client: Redis, prefix: str
+) -> None:
+    """The marker lost (evicted, deleted from outside) while its set of live readers
+    stays: a writer may get in, and the readers are to notice at their next renewal. Two
+    readers that come after the writer left (one alone, then one beside it) must not
+    bring the old members back to life in the set they make."""
+    base, readers = prefix + "{scripts}", prefix + "{scripts}:readers"
+    hold = [readers, base]
+    a, b, x, y = "a" * 32, "b" * 32, "c" * 32, "d" * 32
+    _, fa = await SHARED_ACQUIRE(client, _attempt_keys(prefix, a), [a, _TTL, _FENCE_TTL])
+    _, fb = await SHARED_ACQUIRE(client, _attempt_keys(prefix, b), [b, _TTL, _FENCE_TTL])
+    await client.delete(base)  # (the marker evicted)
+    await client.set(base, "1" * 32 + ":7", px=5000)  # (a writer got in, and left)
+    await client.delete(base)
+    _, fx = await SHARED_ACQUIRE(client, _attempt_keys(prefix, x), [x, _TTL, _FENCE_TTL])
+    _, fy = await SHARED_ACQUIRE(client, _attempt_keys(prefix, y), [y, _TTL, _FENCE_TTL])
+    assert _text(await client.get(base)) == "shared"
+    assert await SHARED_IS_OURS(client, hold, [f"{a}:{fa}"]) == 0
+    assert await SHARED_RENEW(client, hold, [f"{b}:{fb}", _TTL]) == 0
+    assert {_text(m) for m in await client.zrange(readers, 0, -1)} == {f"{x}:{fx}", f"{y}:{fy}"}

@@ -1065,7 +1065,7 @@ return (mine and mine > now) and 1 or 0
 #         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an exclusive
 #         waiter registered (shared holders let it in first),
 #         {-1, 0} when this attempt was abandoned (its tombstone exists).
-# The first reader in writes only the lock's key; the second moves the first into the
+# The first reader in writes only the lock's key; the second moves the first into a new
 # set (scored with its key's expiry) beside itself, and the marker and the set live as
 # long as the longer of the two; later ones only ever extend them (and give the set an
 # expiry if it had none: made anew by the ZADD, the old one gone beside the marker).
@@ -1119,15 +1119,17 @@ local fence, text
   redis.call('SET', KEYS[1], 'shared:' .. ARGV[1] .. ':' .. text, 'PX', ttl)
   return {1, fence}
 end
-redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text)
-if alone then  -- the reader alone in the lock's key joins the set beside us
+if alone then  -- the reader alone in the lock's key joins the set beside us (a set
+  -- already there is what a lost marker left: its members hold no more, none revives)
   local pttl = redis.call('PTTL', KEYS[1])
   if pttl < 0 then pttl = ttl end
-  redis.call('ZADD', KEYS[5], now + pttl, alone)
+  redis.call('DEL', KEYS[5])
+  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text, now + pttl, alone)
   local keep = math.max(pttl, ttl)
   redis.call('SET', KEYS[1], 'shared', 'PX', keep)
   redis.call('PEXPIRE', KEYS[5], keep)
 else
+  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text)
   redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
   if redis.call('PEXPIRE', KEYS[5], ttl, 'GT') == 0 and redis.call('PTTL', KEYS[5]) == -1 then
     -- (the set was gone beside the marker: our ZADD made it anew, GT leaves it without expiry)
