@@ -258,11 +258,11 @@ async def test_one_name_one_limit(client: Redis, prefix: str) -> None:
             await asynclock.acquire(client, "plain", limit=2, prefix=prefix)
 
 
-@pytest.mark.parametrize("kind", [{}, {"fair": True}])
+@pytest.mark.parametrize("kind", [{}, {"fair": True}, {"shared": True}])
 async def test_a_lease_of_limit_1_beside_held_permits_is_refused(
     client: Redis, prefix: str, kind: dict[str, bool]
 ) -> None:
-    """One name, one limit, in both directions: a plain or fair lease asked of a
+    """One name, one limit, in both directions: a plain, fair or shared lease asked of a
     name whose permits are held raises LimitConflict (it held the lock beside them
     before), whether it would wait or not, and leaves nothing behind; once no permit is
     held, it takes the lock."""

@@ -1064,29 +1064,32 @@ return (mine and mine > now) and 1 or 0
 #           expiry renewed),
 #         {0, pttl in ms to wait at most}: an exclusive holder (its pttl), or an exclusive
 #         waiter registered (shared holders let it in first),
-#         {-1, 0} when this attempt was abandoned (its tombstone exists).
+#         {-1, 0} when this attempt was abandoned (its tombstone exists),
+#         {-2, their limit} as ACQUIRE's.
 # The first reader in writes only the lock's key; the second moves the first into a new
 # set (scored with its key's expiry) beside itself, and the marker and the set live as
 # long as the longer of the two; later ones only ever extend them (and give the set an
 # expiry if it had none: made anew by the ZADD, the old one gone beside the marker).
 SHARED_ACQUIRE = Script(
     "shared_acquire",
-    """local found = redis.call('MGET', KEYS[3], KEYS[1])  -- (the tombstone and the lock's key)
-if found[1] then
-  return {-1, 0}
+    f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
+if found[1] then  -- the lock's key, a semaphore's limit)
+  return {{-1, 0}}
 end
-local holder = found[2]
+local holder, held_with = found[2], found[3]
 local alone = nil  -- (the value of a reader alone in the lock's key)
 if holder and holder ~= 'shared' then
   if string.sub(holder, 1, 7) ~= 'shared:' then
-    return {0, redis.call('PTTL', KEYS[1])}
+    return {{0, redis.call('PTTL', KEYS[1])}}
   end
   alone = string.sub(holder, 8)
   if string.sub(alone, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then  -- (a retry of ours)
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {1, tonumber(string.sub(alone, #ARGV[1] + 2))}
+    return {{1, tonumber(string.sub(alone, #ARGV[1] + 2))}}
   end
 end
+if held_with and not holder then
+{_PERMITS_OF_LOCK}end
 """
     + _NOW
     + """local ttl = tonumber(ARGV[2])
