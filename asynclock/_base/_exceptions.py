@@ -153,7 +153,8 @@ class ResultNotStored(LockError, TypeError):
 
 class LimitConflict(LockError, ValueError):
     """``lease(redis, name, limit=N)`` found the semaphore ``name`` held with another
-    ``limit`` (or as a plain lock): one name, one limit, or the limits would mix."""
+    ``limit`` (or as a plain lock), or a plain, fair or shared lease found permits of
+    ``name`` held: one name, one limit, or the limits would mix."""
 
     def __init__(self, name: str, detail: str) -> None:
         self.name = name

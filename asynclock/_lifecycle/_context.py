@@ -182,7 +182,8 @@ def lease(
             a fencing token from the lock's one counter. Waiters are woken by the
             release of any permit; permits are not handed over, so every client's
             waiters compete. One name, one limit: a permit asked for with another limit
-            than the permits held raises ``LimitConflict``.
+            than the permits held raises ``LimitConflict``, as does a plain, fair or
+            shared lease asked of a name whose permits are held.
         fair: waiters take the lock in the order they started waiting, across
             processes (a queue in Redis); a waiter that dies holds the queue up for at
             most about 3 s, one that gives up not at all. Only for a plain lock (not
@@ -212,7 +213,8 @@ def lease(
     Raises (when the block is entered):
         LockBusy: ``blocking=False`` and another lease holds the lock (every permit).
         LimitConflict: ``limit`` differs from the limit the lock's permits are held
-            with, or a permit was asked of a name held as a plain lock.
+            with (a plain, fair or shared lease has limit 1), or a permit was asked of
+            a name held as a plain lock.
         ReplicationTimeout: fewer than ``min_replicas`` replicas confirmed the
             acquisition in time; the lock was given back (also a ``TimeoutError``).
         AcquireTimeout: ``blocking_timeout`` passed first (also a ``TimeoutError``),
