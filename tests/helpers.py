@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from redis.exceptions import OutOfMemoryError
 
 import asynclock
 from asynclock.testing import RedisServer
@@ -171,3 +173,16 @@ async def urls_with_a_secret(server: RedisServer) -> list[tuple[str, str, dict[s
         ("unreachable", f"redis://:{SECRET}@127.0.0.1:1/0", {}),
         ("unparsable", f"redis://:{SECRET}@127.0.0.1:port/0", {}),
     ]
+
+
+async def run_out_of_memory(client: Redis, prefix: str) -> None:
+    """Fill the server under ``noeviction`` until writes are refused, then lower
+    ``maxmemory`` clearly below what is used: refused writes leave used memory right at
+    the limit, where a little freed buffer space can let the next write through."""
+    await client.config_set("maxmemory-policy", "noeviction")
+    await client.config_set("maxmemory", "2mb")
+    with pytest.raises(OutOfMemoryError):
+        for i in range(100_000):
+            await client.set(f"{prefix}fill:{i}", "x" * 1000)
+    used = (await client.info("memory"))["used_memory"]
+    await client.config_set("maxmemory", used - 64 * 1024)

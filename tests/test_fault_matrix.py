@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 from figures import Figures
-from helpers import wait_until
+from helpers import run_out_of_memory, wait_until
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
@@ -328,7 +328,7 @@ async def test_out_of_memory_refuses_acquire_but_held_leases_renew(
         async with asynclock.lease(
             client, "held", ttl=0.6, prefix=prefix, on_event=events.append
         ) as lock:
-            await _run_out_of_memory(client, prefix)
+            await run_out_of_memory(client, prefix)
             with pytest.raises(OutOfMemoryError) as caught:
                 async with asynclock.lease(client, "new", ttl=0.6, prefix=prefix):
                     pass
@@ -364,7 +364,7 @@ async def test_out_of_memory_a_local_waiter_waits_and_is_handed_the_lock(
 
     try:
         async with asynclock.lease(client, "relay", ttl=5, prefix=prefix) as first:
-            await _run_out_of_memory(client, prefix)
+            await run_out_of_memory(client, prefix)
             task = asyncio.create_task(waiter())
             line = companion_for(client).room
             channel = f"{prefix}{{relay}}:released"
@@ -386,19 +386,6 @@ async def test_out_of_memory_a_local_waiter_waits_and_is_handed_the_lock(
 
 async def _true(value: bool) -> bool:
     return value
-
-
-async def _run_out_of_memory(client: Redis, prefix: str) -> None:
-    """Fill the server under ``noeviction`` until writes are refused, then lower
-    ``maxmemory`` clearly below what is used: refused writes leave used memory right at
-    the limit, where a little freed buffer space can let the next write through."""
-    await client.config_set("maxmemory-policy", "noeviction")
-    await client.config_set("maxmemory", "2mb")
-    with pytest.raises(OutOfMemoryError):
-        for i in range(100_000):
-            await client.set(f"{prefix}fill:{i}", "x" * 1000)
-    used = (await client.info("memory"))["used_memory"]
-    await client.config_set("maxmemory", used - 64 * 1024)
 
 
 async def test_evicting_policy_is_warned_about_once(

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from helpers import wait_until
+from helpers import run_out_of_memory, wait_until
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError
 
 import asynclock
 from asynclock import LeaseEventKind, LockBusy, LockLost, LossReason
@@ -405,7 +404,7 @@ async def test_out_of_memory_shared_holders_in_the_set_renew_and_attempts_are_un
             _, fences[token] = await SHARED_ACQUIRE(
                 client, _attempt_keys(prefix, token), [token, _TTL, _FENCE_TTL]
             )
-        await _run_out_of_memory(client, prefix)
+        await run_out_of_memory(client, prefix)
         started = time.monotonic()
         while time.monotonic() - started < 1.5:
             assert await first.is_held()
@@ -433,18 +432,6 @@ async def test_out_of_memory_shared_holders_in_the_set_renew_and_attempts_are_un
     finally:
         await client.config_set("maxmemory", "0")
         await client.aclose()
-
-
-async def _run_out_of_memory(client: Redis, prefix: str) -> None:
-    """Fill the server under ``noeviction`` until writes are refused, then lower
-    ``maxmemory`` below what is used (as test_fault_matrix does)."""
-    await client.config_set("maxmemory-policy", "noeviction")
-    await client.config_set("maxmemory", "2mb")
-    with pytest.raises(OutOfMemoryError):
-        for i in range(100_000):
-            await client.set(f"{prefix}fill:{i}", "x" * 1000)
-    used = (await client.info("memory"))["used_memory"]
-    await client.config_set("maxmemory", used - 64 * 1024)
 
 
 async def test_a_reader_joining_a_marker_whose_set_is_gone_gives_the_set_an_expiry(
