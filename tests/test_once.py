@@ -490,3 +490,51 @@ async def test_a_paused_holder_stores_no_late_result(
         if holder.poll() is None:
             holder.kill()
             holder.communicate(timeout=5)
+
+
+async def test_a_hand_over_refreshed_by_an_attempt_keeps_the_job_fingerprinted(
+    client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job fails; the key is handed to a waiting duplicate of the same client (the key
+    then holds no digest), but that grant comes too late to use, so the waiter refreshes
+    it by an attempt of its own: the attempt finds the key its own, and the lease it hands
+    out must match what the key holds, so that the job's result is stored."""
+    from asynclock._kinds import _mutex
+
+    handed = _mutex.HandOverLine.handed
+    late: list[bool] = []
+
+    def handed_late(self: _mutex.HandOverLine) -> Any:
+        grant = handed(self)
+        if grant is not None and not late:  # (as if answered most of a ttl later)
+            late.append(True)
+            grant.t_send -= 0.9
+        return grant
+
+    monkeypatch.setattr(_mutex.HandOverLine, "handed", handed_late)
+    calls = 0
+    started = asyncio.Event()
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        started.set()
+        await asyncio.sleep(0.1)
+        if calls == 1:
+            raise RuntimeError("first try fails")
+        return "ok"
+
+    def run() -> Any:
+        return asynclock.once(client, "late", flaky, ttl=1.0, fingerprint="p", prefix=prefix)
+
+    first = asyncio.create_task(run())
+    await started.wait()
+    second = asyncio.create_task(run())
+    await asyncio.sleep(0.02)
+    with pytest.raises(RuntimeError, match="first try fails"):
+        await first
+    assert await asyncio.wait_for(second, 5) == "ok"
+    assert late == [True]
+    assert calls == 2
+    assert await asynclock.once(client, "late", flaky, fingerprint="p", prefix=prefix) == "ok"
+    assert calls == 2

@@ -177,7 +177,9 @@ class Mutex(Kind):
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """The fencing token alone: the lock; (0, the holder's pttl in ms); a job's (2,
-        its stored result), (3, another fingerprint), (4, why its result was not stored)."""
+        its stored result), (3, another fingerprint), (4, why its result was not stored),
+        (5, the fencing token): the lock, which a releaser handed to our token (its key
+        holds no job digest)."""
         if isinstance(reply, list):
             raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
             status = int(raw_status)
@@ -187,6 +189,8 @@ class Mutex(Kind):
                 return Refused(JobConflict(raw_value))
             if status == 4:
                 return Refused(JobUnstored(raw_value))
+            if status == 5:
+                return Granted(int(raw_value), t_send, handed=True)
         return answer(reply, t_send, self._options)
 
     def answered(self, outcome: Granted | Busy, waiting: bool) -> None:

@@ -449,10 +449,14 @@ ACQUIRE = Script(
 # ARGV[8] the caller's fingerprint digest ('' checks nothing), kept in the lease's value
 # as '<token>:<fence>:<digest>' while the job runs. Returns also {2, payload} when a
 # result is stored, {4, why} when the job ran but its result could not be stored, {3, the
-# other digest} for a fingerprint that is not the caller's.
+# other digest} for a fingerprint that is not the caller's, and {5, fencing token} instead
+# of the fencing token alone when the key, held by this token, holds no digest (a releaser
+# handed or granted it: its value is '<token>:<fence>', which the lease must renew and
+# release as it is).
 ACQUIRE_JOB = Script(
     "acquire_job",
-    _ACQUIRE_SOURCE.replace(
+    _ACQUIRE_SOURCE.replace("return fence\n", "return bare and {5, fence} or fence\n")
+    .replace(
         "--[[job-prologue]]",
         """local stored = redis.call('HMGET', KEYS[5], 'v', 'f', 'e')
 if stored[1] or stored[3] then
@@ -464,14 +468,17 @@ if stored[1] or stored[3] then
   end
   return {4, stored[3]}
 end""",
-    ).replace(
+    )
+    .replace(
         "--[[job-current]]",
-        """if ARGV[8] ~= '' then
+        f"""local bare = false  -- (ours, but handed over: no digest in the key)
+if ARGV[8] ~= '' then
   suffix = ':' .. ARGV[8]
   local running = current and string.match(current, '^[^:]*:%d+:(.+)$')
   if running and running ~= ARGV[8] then
-    return {3, running}
+    return {{3, running}}
   end
+  bare = not running and {_held()}
 end""",
     ),
 )
