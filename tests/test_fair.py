@@ -20,7 +20,7 @@ from helpers import wait_until
 from redis.asyncio import Redis
 
 import asynclock
-from asynclock import AcquireTimeout, LockBusy
+from asynclock import AcquireTimeout, LimitConflict, LockBusy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,3 +217,26 @@ async def test_bad_fair_arguments_are_refused_before_any_io(
     with pytest.raises(error, match=text):
         await asynclock.acquire(nowhere, "x", **kwargs)  # type: ignore[arg-type]
     await nowhere.aclose()
+
+
+async def test_a_waiter_refused_for_a_semaphore_of_the_name_leaves_the_queue(
+    client: Redis, prefix: str
+) -> None:
+    """A fair waiter queued behind a holder; the lock freed and a permit of a semaphore
+    of the name taken before the waiter's next attempt: that attempt is refused
+    (LimitConflict), and the waiter, giving up, leaves the queue at once (it does not
+    hold up those queued behind it until its liveness runs out)."""
+    key, queue = prefix + "{conflict}", _queue(prefix, "conflict")
+    await client.set(key, "someone:1", px=5000)  # (a holder that releases unannounced)
+    waiter = asyncio.create_task(
+        asynclock.acquire(client, "conflict", ttl=5, fair=True, prefix=prefix)
+    )
+    await wait_until(lambda: _counted(client, queue, 1), what="queued")
+    await client.delete(key)
+    permit = await asynclock.acquire(client, "conflict", limit=2, prefix=prefix)
+    try:
+        with pytest.raises(LimitConflict):
+            await asyncio.wait_for(waiter, 5)
+        assert await client.zcard(queue) == 0
+    finally:
+        await permit.release()

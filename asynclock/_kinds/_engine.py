@@ -154,7 +154,8 @@ class Busy:
 @dataclass(slots=True)
 class Refused:
     """The lock cannot be had this way: ``error`` says why (a conflicting limit, another
-    kind, a job's stored result or another fingerprint). Nothing of ours was left."""
+    kind, a job's stored result or another fingerprint). The refused attempt left
+    nothing of ours (an earlier one's place in a fair queue is still undone)."""
 
     error: Exception
 
@@ -595,10 +596,12 @@ class _Acquisition:
         if cancelled:
             self._pending = self._pending or left
             raise asyncio.CancelledError
-        self._pending = left and not isinstance(outcome, Granted)  # (see _usable)
         if isinstance(outcome, Refused):
+            # (this attempt left nothing, but what an earlier one left stays to undo: a
+            # fair waiter's place in the queue, so _pending is kept)
             self._refused = True
             raise outcome.error
+        self._pending = left and not isinstance(outcome, Granted)  # (see _usable)
         self._kind.answered(outcome, waiting)
         return outcome
 
