@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 import asynclock
 from asynclock import AcquireTimeout, LimitConflict, LockBusy
+from asynclock._session._connections import companion_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -240,3 +241,35 @@ async def test_a_waiter_refused_for_a_semaphore_of_the_name_leaves_the_queue(
         assert await client.zcard(queue) == 0
     finally:
         await permit.release()
+
+
+async def test_a_slow_subscription_does_not_let_a_live_waiter_lapse(
+    redis_server: object, make_client: Callable[..., Redis], prefix: str
+) -> None:
+    """A waiter whose subscription to the lock's releases takes its full bound (up to
+    a second to connect, one to be confirmed) and is not confirmed: it counts the pause
+    before its next attempt from its last reply, not from the end of the subscription,
+    so it tries at least every FAIR_PATIENCE / 2 and keeps its place. A waiter queued
+    behind it, trying as the holder's key expires, does not take the lock ahead of it."""
+    first_client, second_client, observer = make_client(), make_client(), make_client()
+    key, queue = prefix + "{lapse}", _queue(prefix, "lapse")
+    room = companion_for(first_client).room
+
+    async def slow_subscription(channel: str, deadline: float | None = None) -> bool:
+        await asyncio.sleep(1.9)  # (within its bounds: connect, then confirmation)
+        return False
+
+    room.subscribe = slow_subscription  # type: ignore[method-assign]
+    await observer.set(key, "someone:1", px=2300)  # (expires unannounced)
+    order: list[str] = []
+
+    async def waiter(client: Redis, me: str) -> None:
+        async with asynclock.lease(client, "lapse", ttl=5, fair=True, prefix=prefix):
+            order.append(me)
+
+    first = asyncio.create_task(waiter(first_client, "first"))
+    await wait_until(lambda: _counted(observer, queue, 1), what="first queued")
+    second = asyncio.create_task(waiter(second_client, "second"))
+    await wait_until(lambda: _counted(observer, queue, 2), what="second queued")
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert order == ["first", "second"]

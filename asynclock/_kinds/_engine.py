@@ -473,13 +473,16 @@ class _Acquisition:
                         continue
                     busy = outcome
                 held_ms = busy.pttl_ms
+                # (the pause counts from the reply: a subscription that took its bound
+                # and failed must not stretch it, say past a fair waiter's liveness)
+                resume = self._loop.time() + self._kind.pause(busy)
                 if not subscribed:
                     subscribed = True
                     if await room.subscribe(options.channel, deadline):
                         busy = None
                         turn.event.set()  # subscribed first, now try again
                         continue
-                wait = self._kind.pause(busy)
+                wait = max(0.0, resume - self._loop.time())
                 busy = None
             if deadline is not None:
                 left = deadline - self._loop.time()
