@@ -24,6 +24,22 @@ from asynclock.testing import RedisServer, ServerInfo
 # -- in one process -------------------------------------------------------------------------
 
 
+class FailsOnce:
+    """A job whose first run fails (after 0.1 s); it returns "ok" from then on."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.started = asyncio.Event()
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        self.started.set()
+        await asyncio.sleep(0.1)
+        if self.calls == 1:
+            raise RuntimeError("first try fails")
+        return "ok"
+
+
 class Counter:
     """A job that counts its runs and returns its argument (after ``delay`` seconds)."""
 
@@ -90,25 +106,15 @@ async def test_a_failure_is_not_cached_and_a_duplicate_takes_over(
 ) -> None:
     """func raises: its caller gets the error, nothing is stored, a waiting duplicate
     runs func (and succeeds)."""
-    calls = 0
-    started = asyncio.Event()
-
-    async def flaky() -> str:
-        nonlocal calls
-        calls += 1
-        started.set()
-        await asyncio.sleep(0.1)
-        if calls == 1:
-            raise RuntimeError("first try fails")
-        return "ok"
+    flaky = FailsOnce()
 
     first = asyncio.create_task(asynclock.once(client, "flaky", flaky, prefix=prefix))
-    await started.wait()
+    await flaky.started.wait()
     second = asyncio.create_task(asynclock.once(client, "flaky", flaky, prefix=prefix))
     with pytest.raises(RuntimeError, match="first try fails"):
         await first
     assert await asyncio.wait_for(second, 5) == "ok"
-    assert calls == 2
+    assert flaky.calls == 2
 
 
 async def test_fingerprint_conflicts(client: Redis, prefix: str) -> None:
@@ -512,29 +518,19 @@ async def test_a_hand_over_refreshed_by_an_attempt_keeps_the_job_fingerprinted(
         return grant
 
     monkeypatch.setattr(_mutex.HandOverLine, "handed", handed_late)
-    calls = 0
-    started = asyncio.Event()
-
-    async def flaky() -> str:
-        nonlocal calls
-        calls += 1
-        started.set()
-        await asyncio.sleep(0.1)
-        if calls == 1:
-            raise RuntimeError("first try fails")
-        return "ok"
+    flaky = FailsOnce()
 
     def run() -> Any:
         return asynclock.once(client, "late", flaky, ttl=1.0, fingerprint="p", prefix=prefix)
 
     first = asyncio.create_task(run())
-    await started.wait()
+    await flaky.started.wait()
     second = asyncio.create_task(run())
     await asyncio.sleep(0.02)
     with pytest.raises(RuntimeError, match="first try fails"):
         await first
     assert await asyncio.wait_for(second, 5) == "ok"
     assert late == [True]
-    assert calls == 2
+    assert flaky.calls == 2
     assert await asynclock.once(client, "late", flaky, fingerprint="p", prefix=prefix) == "ok"
-    assert calls == 2
+    assert flaky.calls == 2
