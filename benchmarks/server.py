@@ -238,22 +238,21 @@ def render(
     (``ServerTime.thread``), if given (results of older runs have neither)."""
     labels = list(figures)
     base, mutex = figures[labels[0]], figures.get("asynclock mutex")
-    counted = bool(commands)
-    timed = bool(thread) and labels[0] in (thread or {})
+    thread_base = (thread or {}).get(labels[0])  # (None: no main thread column)
     lines = [
         "| cycle | server µs per cycle | ÷ the recipe | ÷ the mutex |"
-        + (" commands per cycle |" if counted else "")
-        + (" main thread µs per cycle | ÷ the recipe |" if timed else ""),
-        "|---|---|---|---|" + ("---|" if counted else "") + ("---|---|" if timed else ""),
+        + (" commands per cycle |" if commands else "")
+        + (" main thread µs per cycle | ÷ the recipe |" if thread_base else ""),
+        "|---|---|---|---|" + ("---|" if commands else "") + ("---|---|" if thread_base else ""),
     ]
     for label, us in figures.items():
         against = f"{us / mutex:.2f}x" if mutex else "-"
         row = f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |"
         if commands:
             row += f" {commands[label]:.0f} |" if label in commands else " - |"
-        if thread and timed:
+        if thread and thread_base:
             cpu = thread.get(label)
-            row += f" {cpu:.1f} | {cpu / thread[labels[0]]:.2f}x |" if cpu else " - | - |"
+            row += f" {cpu:.1f} | {cpu / thread_base:.2f}x |" if cpu else " - | - |"
         lines.append(row)
     return lines
 
