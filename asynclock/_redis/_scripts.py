@@ -259,36 +259,40 @@ _NOW = f"""local t = redis.call('TIME')
 local now = {_NOW_MS}
 """
 
-# The next fencing token into `fence` (`text`: it as a decimal string), declared by the
-# script: max(last + 1, server TIME in microseconds), from the TIME reply `t` and the
-# counter at KEYS[2], which this one only reads. The token's text is made from TIME's own
-# digits (seconds, then microseconds padded to 6); string.format, which the rare case
-# that the clock gave no more than the last token takes, costs 3 times as much.
+# The server TIME in microseconds into `fence` (`text`: it as a decimal string), from the
+# TIME reply `t`. The token's text is made from TIME's own digits (seconds, then
+# microseconds padded to 6); string.format, which the rare case that the clock gave no
+# more than the last token takes (see _mint_fence), costs 3 times as much.
 _FENCE_FROM_TIME = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
 text = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
 """
-_MINT_FENCE = (
-    _FENCE_FROM_TIME
-    + """local last = tonumber(redis.call('GET', KEYS[2]))
-if last and last >= fence then
-  fence = last + 1
-  text = string.format('%d', fence)
-end
-"""
-)
 
-# The same, written to the counter at KEYS[2] (PX ARGV[3]) by the command that reads the
-# last one (SET ... GET); written again in the rare case that the clock gave no more than
-# the last token.
-_MINT_AND_STORE_FENCE = (
-    _FENCE_FROM_TIME
-    + """local last = tonumber(redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET'))
+
+def _mint_fence(last: str, again: str = "") -> str:
+    """Lua: the next fencing token into ``fence`` (``text``: it as a decimal string),
+    declared by the script: max(last + 1, server TIME in microseconds), from the TIME
+    reply ``t`` and the last token, which the Lua expression ``last`` reads from the
+    counter at KEYS[2]. ``again`` runs in the rare case that the clock gave no more than
+    the last token."""
+    return (
+        _FENCE_FROM_TIME
+        + f"""local last = tonumber({last})
 if last and last >= fence then
   fence = last + 1
   text = string.format('%d', fence)
-  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-end
+{again}end
 """
+    )
+
+
+# The next fencing token, the counter only read.
+_MINT_FENCE = _mint_fence("redis.call('GET', KEYS[2])")
+
+# The same, written to the counter (PX ARGV[3]) by the command that reads the last one
+# (SET ... GET); written again in the rare case that the clock gave no more than the last.
+_MINT_AND_STORE_FENCE = _mint_fence(
+    "redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET')",
+    "  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])\n",
 )
 
 # The fencing token in a lease's value `current` ("<token>:<fencing token>[:...]").
@@ -351,6 +355,15 @@ _PERMITS_OF_LOCK = _no_permits(
     f"{_LIMIT_KEY}, KEYS[1] .. ':permits'",
 )
 
+# The start of an acquire of the lock's key KEYS[1] (ACQUIRE, SHARED_ACQUIRE, FAIR_ACQUIRE):
+# one MGET reads this attempt's tombstone KEYS[3] (there: the attempt was abandoned), the
+# lock's key and a semaphore's limit into `found`.
+_FOUND = f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
+if found[1] then  -- the lease, a semaphore's limit)
+  return {{-1, 0}}
+end
+"""
+
 
 # -- the plain lock (mutex) ---------------------------------------------------------------
 # ACQUIRE: KEYS[1] lease key, KEYS[2] fence counter, KEYS[3] this attempt's tombstone,
@@ -375,23 +388,25 @@ _PERMITS_OF_LOCK = _no_permits(
 # An attempt outside a blocking wait may send KEYS[1..3] and ARGV[1..3] only (ARGV[4] and
 # ARGV[6] absent count as ''). An uncontended success (ARGV[6] '') reads, mints and
 # writes, and returns before any of the registration's bookkeeping is even defined.
-_ACQUIRE_SOURCE = (
-    f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
-if found[1] then  -- the lease, a semaphore's limit)
-  return {{-1, 0}}
-end
---[[job-prologue]]
-local current, held_with = found[2], found[3]
+def _acquire(prologue: str = "", current: str = "", fenced: str = "fence") -> str:
+    """ACQUIRE's source; ACQUIRE_JOB's with its Lua ``prologue`` (after the tombstone's
+    check), ``current`` (after the lock's key is read into ``current``) and ``fenced``
+    (what a success returns, its fencing token in ``fence``)."""
+    return (
+        _FOUND
+        + prologue
+        + """local current, held_with = found[2], found[3]
 local suffix = ''
---[[job-current]]
-local fence, text
+"""
+        + current
+        + f"""local fence, text
 if not current then
   if held_with then
 {_PERMITS_OF_LOCK}  end
   local t = redis.call('TIME')
 """
-    + _MINT_AND_STORE_FENCE
-    + f"""redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text .. suffix, 'PX', ARGV[2])
+        + _MINT_AND_STORE_FENCE
+        + f"""redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text .. suffix, 'PX', ARGV[2])
 elseif {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   fence = {_FENCE_OF}
@@ -399,11 +414,11 @@ elseif (ARGV[4] or '') == '' then
   return {{0, redis.call('PTTL', KEYS[1])}}
 end
 if fence and (ARGV[6] or '') == '' then
-  return fence
+  return {fenced}
 end
 """
-    + _register("ARGV[4]", "ARGV[5]")
-    + """local function kept(old)  -- an offer of another token of ours (our line's head)
+        + _register("ARGV[4]", "ARGV[5]")
+        + """local function kept(old)  -- an offer of another token of ours (our line's head)
   local offer = old and string.match(old, '^%d+:%d+(:.*)$')
   if offer and not string.find(offer, ':' .. ARGV[1] .. ':', 1, true) then
     return offer
@@ -413,8 +428,8 @@ end
 if fence then
   if ARGV[6] == 'keep' then
 """
-    + _NOW
-    + """    register(now, now, kept(redis.call('HGET', KEYS[4], ARGV[4])))
+        + _NOW
+        + f"""    register(now, now, kept(redis.call('HGET', KEYS[4], ARGV[4])))
   elseif ARGV[6] == 'drop' then
     redis.call('HDEL', KEYS[4], ARGV[4])
   else  -- (withdraw: no longer offer this token to other clients' releasers)
@@ -423,11 +438,11 @@ if fence then
       redis.call('HDEL', KEYS[4], ARGV[4])
     end
   end
-  return fence
+  return {fenced}
 end
 """
-    + _NOW
-    + """local entry = redis.call('HGET', KEYS[4], ARGV[4])
+        + _NOW
+        + """local entry = redis.call('HGET', KEYS[4], ARGV[4])
 local s, u = string.match(entry or '', '^(%d+):(%d+)')
 local since = (s and tonumber(u) > now) and tonumber(s) or now
 if ARGV[7] ~= '' then
@@ -437,12 +452,10 @@ else
 end
 return {0, redis.call('PTTL', KEYS[1])}
 """
-)
+    )
 
-ACQUIRE = Script(
-    "acquire",
-    _ACQUIRE_SOURCE.replace("--[[job-prologue]]\n", "").replace("--[[job-current]]\n", ""),
-)
+
+ACQUIRE = Script("acquire", _acquire())
 
 # ACQUIRE_JOB: ACQUIRE for a job of once(); KEYS[5] its result hash {v: payload, f:
 # fingerprint}, or {e: why the result was not stored, f} for a job that ran without it,
@@ -455,10 +468,8 @@ ACQUIRE = Script(
 # release as it is).
 ACQUIRE_JOB = Script(
     "acquire_job",
-    _ACQUIRE_SOURCE.replace("return fence\n", "return bare and {5, fence} or fence\n")
-    .replace(
-        "--[[job-prologue]]",
-        """local stored = redis.call('HMGET', KEYS[5], 'v', 'f', 'e')
+    _acquire(
+        prologue="""local stored = redis.call('HMGET', KEYS[5], 'v', 'f', 'e')
 if stored[1] or stored[3] then
   if ARGV[8] ~= '' and stored[2] and stored[2] ~= ARGV[8] then
     return {3, stored[2]}
@@ -467,11 +478,9 @@ if stored[1] or stored[3] then
     return {2, stored[1]}
   end
   return {4, stored[3]}
-end""",
-    )
-    .replace(
-        "--[[job-current]]",
-        f"""local bare = false  -- (ours, but handed over: no digest in the key)
+end
+""",
+        current=f"""local bare = false  -- (ours, but handed over: no digest in the key)
 if ARGV[8] ~= '' then
   suffix = ':' .. ARGV[8]
   local running = current and string.match(current, '^[^:]*:%d+:(.+)$')
@@ -479,7 +488,9 @@ if ARGV[8] ~= '' then
     return {{3, running}}
   end
   bare = not running and {_held()}
-end""",
+end
+""",
+        fenced="bare and {5, fence} or fence",
     ),
 )
 
@@ -904,11 +915,8 @@ return 1
 #         {-2, their limit} as ACQUIRE's.
 FAIR_ACQUIRE = Script(
     "fair_acquire",
-    f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
-if found[1] then  -- the lease, a semaphore's limit)
-  return {{-1, 0}}
-end
-local current, held_with = found[2], found[3]
+    _FOUND
+    + f"""local current, held_with = found[2], found[3]
 if {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {_FENCE_OF}
@@ -1079,11 +1087,8 @@ return (mine and mine > now) and 1 or 0
 # expiry if it had none: made anew by the ZADD, the old one gone beside the marker).
 SHARED_ACQUIRE = Script(
     "shared_acquire",
-    f"""local found = redis.call('MGET', KEYS[3], KEYS[1], {_LIMIT_KEY})  -- (the tombstone,
-if found[1] then  -- the lock's key, a semaphore's limit)
-  return {{-1, 0}}
-end
-local holder, held_with = found[2], found[3]
+    _FOUND
+    + f"""local holder, held_with = found[2], found[3]
 local alone = nil  -- (the value of a reader alone in the lock's key)
 if holder and holder ~= 'shared' then
   if string.sub(holder, 1, 7) ~= 'shared:' then
