@@ -320,23 +320,24 @@ end
 """
 
 
-def _no_permits(limit: str, index: str, stem: str, forget: str) -> str:
-    """Lua: return {-2, ``limit``} while a permit of a semaphore held with ``limit`` may be
-    held (a slot's score in its index ``index`` not passed, or, the index lost, a permit
-    key ``stem`` .. slot left); else delete ``forget`` (keys: the semaphore's left-overs)
-    and go on. Runs only when the semaphore's limit key exists and is not the caller's:
-    one name, one limit (its ``EXISTS`` names up to 1,000 keys, once per change)."""
+def _no_permits(index: str, stem: str, forget: str) -> str:
+    """Lua: return {-2, ``held_with``} while a permit of a semaphore held with the limit
+    ``held_with`` (a Lua variable, as the script read it) may be held (a slot's score in
+    its index ``index`` not passed, or, the index lost, a permit key ``stem`` .. slot
+    left); else delete ``forget`` (keys: the semaphore's left-overs) and go on. Runs only
+    when the semaphore's limit key exists and is not the caller's: one name, one limit
+    (its ``EXISTS`` names up to 1,000 keys, once per change)."""
     return f"""do
   local t = redis.call('TIME')
   if redis.call('ZCOUNT', {index}, {_NOW_MS}, '+inf') > 0 then
-    return {{-2, {limit}}}
+    return {{-2, held_with}}
   end
   local permits = {{}}
-  for slot = 0, math.min(tonumber({limit}) or 1000, 1000) - 1 do
+  for slot = 0, math.min(tonumber(held_with) or 1000, 1000) - 1 do
     permits[slot + 1] = {stem} .. slot
   end
   if #permits > 0 and redis.call('EXISTS', unpack(permits)) > 0 then
-    return {{-2, {limit}}}
+    return {{-2, held_with}}
   end
   redis.call('DEL', {forget})
 end
@@ -349,10 +350,7 @@ end
 # slot), which refuse the lock while permits are held (see _no_permits).
 _LIMIT_KEY = "KEYS[1] .. ':limit'"
 _PERMITS_OF_LOCK = _no_permits(
-    "held_with",
-    "KEYS[1] .. ':permits'",
-    "KEYS[1] .. ':permit:'",
-    f"{_LIMIT_KEY}, KEYS[1] .. ':permits'",
+    "KEYS[1] .. ':permits'", "KEYS[1] .. ':permit:'", f"{_LIMIT_KEY}, KEYS[1] .. ':permits'"
 )
 
 # The start of an acquire of the lock's key KEYS[1] (ACQUIRE, SHARED_ACQUIRE, FAIR_ACQUIRE):
@@ -751,7 +749,7 @@ if held_with and held_with ~= ARGV[4] then
   -- another limit: refused while a permit of it may be held; once none is, its slots are
   -- dropped and ours are taken from 0
 """
-    + _no_permits("held_with", "KEYS[5]", "KEYS[4] .. ':permit:'", "KEYS[5]")
+    + _no_permits("KEYS[5]", "KEYS[4] .. ':permit:'", "KEYS[5]")
     + """end
 if found[3] then  -- (a plain lock's key holds a string, as a shared lease's marker does)
   return {-3, 0}
@@ -1025,16 +1023,17 @@ until cursor == '0' or member
 
 
 # Drop the reader `member` (its value; nil if not in the set) from the readers KEYS[1],
-# while the lock's key KEYS[2] holds the marker 'shared', with `top` read (ZRANGE -2 -1
-# WITHSCORES of KEYS[1]: the two members that expire last). Alone in the set, it is ours
-# (the marker lives no longer than the longest member: see above); then the marker and
-# the set go in one DEL and the release is announced on ARGV[2] (ARGV[3]), as it is when
-# the set holds no member (a marker nobody holds). With another member (the clock is read
-# only then) it is ours if it has not expired; if a live reader is left, `member` and the
-# expired ones leave, and if `member` was the longest the marker and the set are
-# shortened to the longest one left (PEXPIREAT: scores are server ms); else the last one
-# out goes as above. Returns 1 when `member` was ours (live), else 0.
-_SHARED_DROP = f"""local mine, other = nil, nil  -- (our expiry, the longest other's)
+# while the lock's key KEYS[2] holds the marker 'shared'; `top` the two members that
+# expire last. Alone in the set, it is ours (the marker lives no longer than the longest
+# member: see above); then the marker and the set go in one DEL and the release is
+# announced on ARGV[2] (ARGV[3]), as it is when the set holds no member (a marker nobody
+# holds). With another member (the clock is read only then) it is ours if it has not
+# expired; if a live reader is left, `member` and the expired ones leave, and if `member`
+# was the longest the marker and the set are shortened to the longest one left
+# (PEXPIREAT: scores are server ms); else the last one out goes as above. Returns 1 when
+# `member` was ours (live), else 0.
+_SHARED_DROP = f"""local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
+local mine, other = nil, nil  -- (our expiry, the longest other's)
 for i = #top - 1, 1, -2 do
   if top[i] == member then
     mine = tonumber(top[i + 1])
@@ -1233,9 +1232,7 @@ SHARED_RELEASE = Script(
     "shared_release",
     "local marker = redis.call('GET', KEYS[2])\n"
     + _leave_alone("marker == 'shared:' .. ARGV[1]")
-    + """local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
-local member = ARGV[1]
-"""
+    + "local member = ARGV[1]\n"
     + _SHARED_DROP,
 )
 
@@ -1255,7 +1252,6 @@ local marker = redis.call('GET', KEYS[2])
     + """if not member then
   return 0
 end
-local top = redis.call('ZRANGE', KEYS[1], -2, -1, 'WITHSCORES')
 """
     + _SHARED_DROP,
 )
