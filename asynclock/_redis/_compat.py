@@ -35,8 +35,8 @@ import functools
 import importlib.util
 import inspect
 import os
+import traceback
 from collections.abc import Awaitable, Iterator, Mapping
-from types import TracebackType
 from typing import Any, Final
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -109,12 +109,13 @@ def fit_settings(connection_class: type[Any], settings: Mapping[str, Any]) -> di
     ``__init__`` accepts, and with ``CLIENT SETINFO`` turned off (no handshake round trips
     beyond AUTH/SELECT) the way this redis-py understands."""
     accepted = _accepted_by(connection_class)  # type: ignore[arg-type]  # (a class is hashable)
-    fitted = {key: value for key, value in settings.items() if key not in _CLIENT_INFO}
-    if accepted is None:  # (a class whose settings cannot be known: the current API)
-        fitted["driver_info"] = None
-        return fitted
-    fitted = {key: value for key, value in fitted.items() if key in accepted}
-    if "driver_info" in accepted:  # redis-py 7.2 and later
+    fitted = {
+        key: value
+        for key, value in settings.items()
+        if key not in _CLIENT_INFO and (accepted is None or key in accepted)
+    }
+    # (a class whose settings cannot be known is taken for the current API)
+    if accepted is None or "driver_info" in accepted:  # redis-py 7.2 and later
         fitted["driver_info"] = None
     else:  # (lib_name and lib_version: None sends no CLIENT SETINFO)
         fitted.update((key, None) for key in ("lib_name", "lib_version") if key in accepted)
@@ -184,12 +185,8 @@ def _dropped(error: BaseException) -> bool:
     # (set by the interpreter's own attribute lookup: its object, and the name looked up)
     if not isinstance(error, AttributeError) or error.obj is not None or error.name is None:
         return False
-    traceback: TracebackType | None = error.__traceback__
-    if traceback is None:
-        return False
-    while traceback.tb_next is not None:
-        traceback = traceback.tb_next
-    return traceback.tb_frame.f_code.co_filename.startswith(_CONNECTION_CODE)
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return bool(frames) and frames[-1].f_code.co_filename.startswith(_CONNECTION_CODE)
 
 
 @contextlib.contextmanager
@@ -202,7 +199,5 @@ def connection_errors() -> Iterator[None]:
         yield
     except AttributeError as error:
         raise as_connection_error(error)  # noqa: B904 (its cause is set: the error)
-    except Exception as error:
-        if isinstance(error, valkey_errors()):
-            raise as_redis_error(error) from error.__cause__
-        raise
+    except valkey_errors() as error:  # (evaluated only when an error is matched)
+        raise as_redis_error(error) from error.__cause__

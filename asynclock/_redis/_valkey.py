@@ -65,10 +65,8 @@ async def redis_errors(awaitable: Awaitable[T]) -> T:
     (a call on a client itself, not through the lane, e.g. a cluster's slot map)."""
     try:
         return await awaitable
-    except Exception as exc:
-        if isinstance(exc, valkey_errors()):
-            raise as_redis_error(exc) from exc.__cause__
-        raise
+    except valkey_errors() as exc:  # (evaluated only when an error is matched)
+        raise as_redis_error(exc) from exc.__cause__
 
 
 def as_redis_error(error: BaseException) -> BaseException:
