@@ -104,13 +104,11 @@ def set_hooks(new: tuple[EventHook, ...]) -> None:
     _HOOKS[0] = new
 
 
+@dataclass(frozen=True, slots=True)
 class _Alone:
     """A lease's own hook that alone hears its events (see :func:`alone`)."""
 
-    __slots__ = ("hook",)
-
-    def __init__(self, hook: EventHook) -> None:
-        self.hook = hook
+    hook: EventHook
 
     def __call__(self, event: LeaseEvent) -> object:
         return self.hook(event)
@@ -159,10 +157,10 @@ def report(
                 return
         for each in _PLAIN[0]:
             _call(each, event)
-        if _SINKS[0]:
-            _queue(tallied(event))
-    elif _SINKS[0]:
-        _queue((kind, name, detail, _figure(kind, waited, held, slack)))
+    if _SINKS[0]:
+        _PENDING.append((kind, name, detail, _figure(kind, waited, held, slack)))
+        if len(_PENDING) >= _BATCH:
+            drain()
 
 
 def tallied(event: LeaseEvent) -> Tallied:
@@ -179,13 +177,6 @@ def _figure(
     return slack if kind is _RENEWED else held
 
 
-def _queue(figures: Tallied) -> None:
-    pending = _PENDING
-    pending.append(figures)
-    if len(pending) >= _BATCH:
-        drain()
-
-
 _PENDING: deque[Tallied] = deque()  # events reported to the sinks, not handed over yet
 _DRAINING = threading.Lock()
 
@@ -196,11 +187,8 @@ def drain() -> None:
     with _DRAINING:
         pending = _PENDING
         batch: list[Tallied] = []
-        while pending:
-            try:
-                batch.append(pending.popleft())
-            except IndexError:  # pragma: no cover - (emptied meanwhile: not under this lock)
-                break
+        while pending:  # (only drain takes from it, and under this lock)
+            batch.append(pending.popleft())
         if not batch:
             return
         for sink in _SINKS[0]:
