@@ -68,16 +68,10 @@ async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:
     with anyio.CancelScope(shield=True):
         while not task.done():
             remaining = deadline - loop.time()
-            if remaining <= 0:
-                task.cancel()
-                break
+            if remaining <= 0 and not task.cancelling():
+                task.cancel()  # then let it unwind (it cannot block on I/O)
             try:
-                await asyncio.wait((task,), timeout=remaining)
-            except asyncio.CancelledError:
-                cancelled = True
-        while not task.done():  # cancelled above: let it unwind (it cannot block on I/O)
-            try:
-                await asyncio.wait((task,))
+                await asyncio.wait((task,), timeout=remaining if remaining > 0 else None)
             except asyncio.CancelledError:
                 cancelled = True
     if cancelled:
