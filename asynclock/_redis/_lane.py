@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from redis.asyncio import Redis
@@ -125,8 +126,7 @@ class Lane:
         the connection error or cancellation that interrupted the exchange (the outcome
         is then unknown).
         """
-        loop = self._loop
-        self._used = now = loop.time()
+        self._used = now = self._loop.time()
         if self._idle:
             connection, saved = self._idle.pop()
         elif self._held < self._size:
@@ -174,7 +174,7 @@ class Lane:
         ``asyncio.timeout_at(ends)`` would end it, on the shared timer (see the note)."""
         task = asyncio.current_task()
         assert task is not None  # (asyncio runs every coroutine it awaits in a task)
-        bound = _Bound(task, ends)
+        bound = _Bound(task, ends, task.cancelling())
         try:
             self._bounds.add(bound)
             timer = self._timer
@@ -252,10 +252,8 @@ class Lane:
                 idle_for = self._loop.time() - self._used
                 if idle_for >= _LINGER and self._idle:
                     await self.aclose()
-                elif self._idle:
-                    await asyncio.sleep(_LINGER - idle_for)
-                else:  # every borrowed connection is busy: look again a linger later
-                    await asyncio.sleep(_LINGER)
+                else:  # (every borrowed connection busy: look again a linger later)
+                    await asyncio.sleep(_LINGER - idle_for if self._idle else _LINGER)
         except asyncio.CancelledError:
             self._closing = True  # calls still in flight give theirs back when done
             raise
@@ -305,17 +303,15 @@ def _exhausted(error: BaseException) -> bool:
     return exhausted(error) or "No connection available" in str(error)
 
 
+@dataclass(eq=False, slots=True)  # (eq=False: hashed by identity, in Lane._bounds)
 class _Bound:
-    """A bounded exchange in flight: its task, its end (loop time), whether the shared
-    timer cancelled it, and the task's count of cancellation requests before it began."""
+    """A bounded exchange in flight: its task, its end (loop time), the task's count of
+    cancellation requests before it began, and whether the shared timer cancelled it."""
 
-    __slots__ = ("cancelling", "ends", "expired", "task")
-
-    def __init__(self, task: asyncio.Task[Any], ends: float) -> None:
-        self.task = task
-        self.ends = ends
-        self.expired = False
-        self.cancelling = task.cancelling()
+    task: asyncio.Task[Any]
+    ends: float
+    cancelling: int
+    expired: bool = False
 
 
 async def _round_trip(connection: Any, packed: bytes, count: int = 1) -> object:
