@@ -199,9 +199,8 @@ class Lane:
 
     def _arm(self, at: float) -> None:
         """(Re-)arm the shared timer for loop time ``at``."""
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         self._timer = self._loop.call_at(at, self._expire, at)
 
     def _expire(self, armed_for: float) -> None:

@@ -77,7 +77,6 @@ def as_redis_error(error: BaseException) -> BaseException:
     if not errors or not isinstance(error, errors) or isinstance(error, _REDIS_ERRORS):
         return error
     both = _both(type(error))  # type: ignore[arg-type]  # (a class is hashable)
-    translated: Any
     try:  # (redis-py's __init__ sets attributes of its own: error_type, status_code)
         translated = both(*error.args)
     except Exception:  # (a class whose __init__ takes other arguments)
@@ -87,7 +86,7 @@ def as_redis_error(error: BaseException) -> BaseException:
     translated.__cause__ = error.__cause__
     translated.__context__ = error.__context__
     translated.__suppress_context__ = error.__suppress_context__
-    return translated.with_traceback(error.__traceback__)  # type: ignore[no-any-return]
+    return translated.with_traceback(error.__traceback__)
 
 
 @functools.cache
