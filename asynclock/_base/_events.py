@@ -185,10 +185,9 @@ def drain() -> None:
     """Hand every queued event to the process's sinks (see :func:`report`); from any
     thread. A sink that raises is logged; the others still get the batch."""
     with _DRAINING:
-        pending = _PENDING
         batch: list[Tallied] = []
-        while pending:  # (only drain takes from it, and under this lock)
-            batch.append(pending.popleft())
+        while _PENDING:  # (only drain takes from it, and under this lock)
+            batch.append(_PENDING.popleft())
         if not batch:
             return
         for sink in _SINKS[0]:

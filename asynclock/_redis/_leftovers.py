@@ -15,7 +15,6 @@ running in another thread is not ours to close.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
@@ -34,7 +33,7 @@ def forget_closed_loops(pool: Any) -> int:
 
 def idle_connections(pool: Any) -> list[Any]:
     """The connections ``pool`` (a redis-py asyncio pool) holds idle."""
-    return list(_members(pool, "_available_connections"))
+    return _members(pool, "_available_connections")
 
 
 def pool_connections(pool: Any) -> list[Any]:
@@ -42,11 +41,11 @@ def pool_connections(pool: Any) -> list[Any]:
     return [*_members(pool, "_available_connections"), *_members(pool, "_in_use_connections")]
 
 
-def _members(pool: Any, attribute: str) -> Iterable[Any]:
+def _members(pool: Any, attribute: str) -> list[Any]:
     try:
         return list(getattr(pool, attribute, None) or ())
     except TypeError:  # (a pool class that keeps them otherwise: nothing to do)
-        return ()
+        return []
 
 
 def forget_connection(connection: Any) -> bool:
