@@ -183,19 +183,16 @@ async def reload_slots(cluster: RedisCluster) -> None:
     hundred waiters of a failed-over lock would also send a hundred ``CLUSTER SLOTS``.
     The shared reload runs to its end even if its callers are cancelled."""
     loop = asyncio.get_running_loop()
-    running: tuple[asyncio.AbstractEventLoop, asyncio.Task[None]] | None = getattr(
-        cluster, _RELOADING, None
-    )
-    if running is None or running[0] is not loop or running[1].done():
+    running: asyncio.Task[None] | None = getattr(cluster, _RELOADING, None)
+    if running is None or running.get_loop() is not loop or running.done():
         reload = redis_errors(cluster.nodes_manager.initialize())
-        task = loop.create_task(reload, name="asynclock-slot-map")
-        task.add_done_callback(_retrieved)  # (its error is its callers', if any are left)
-        running = (loop, task)
+        running = loop.create_task(reload, name="asynclock-slot-map")
+        running.add_done_callback(_retrieved)  # (its error is its callers', if any are left)
         setattr(cluster, _RELOADING, running)
-    await asyncio.shield(running[1])
+    await asyncio.shield(running)
 
 
-_RELOADING: Final = "_asynclock_reloading"  # on a cluster client: (loop, its reload)
+_RELOADING: Final = "_asynclock_reloading"  # on a cluster client: its reload in flight
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:
