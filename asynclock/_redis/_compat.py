@@ -128,12 +128,10 @@ def _accepted_by(connection_class: type[Any]) -> frozenset[str] | None:
     parameters along its MRO down to the first ``__init__`` without ``**kwargs``; None
     if that cannot be known (worked out once per class)."""
     names: set[str] = set()
-    for cls in connection_class.__mro__:
+    for cls in connection_class.__mro__[:-1]:  # (then object, whose __init__ takes nothing)
         init = cls.__dict__.get("__init__")
         if init is None:
             continue
-        if cls is object:
-            return frozenset(names)
         try:
             parameters = inspect.signature(init).parameters.values()
         except (TypeError, ValueError):
@@ -144,8 +142,8 @@ def _accepted_by(connection_class: type[Any]) -> frozenset[str] | None:
             if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         )
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-            return frozenset(names)
-    return None
+            break
+    return frozenset(names)
 
 
 # -- dropped connections ---------------------------------------------------------------
