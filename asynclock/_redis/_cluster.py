@@ -143,29 +143,23 @@ def node_at(cluster: RedisCluster, host: str, port: int) -> Redis | None:
         return None
     model = known[0]  # (every node of a cluster client has the same settings)
     settings = {**model.connection_kwargs, "host": host, "port": port}
-    return _make(cluster, name, model.connection_class, model.max_connections, settings)
+    return _make(cluster, name, model, settings)
 
 
 def _client_of(cluster: RedisCluster, node: Any) -> Redis:
     clients: dict[str, Redis] = getattr(cluster, _NODES, None) or {}
     client = clients.get(node.name)
     if client is None:
-        client = _make(
-            cluster, node.name, node.connection_class, node.max_connections, node.connection_kwargs
-        )
+        client = _make(cluster, node.name, node, node.connection_kwargs)
     return client
 
 
-def _make(
-    cluster: RedisCluster,
-    name: str,
-    connection_class: type[Any],
-    max_connections: int,
-    settings: dict[str, Any],
-) -> Redis:
+def _make(cluster: RedisCluster, name: str, model: Any, settings: dict[str, Any]) -> Redis:
+    """The node client of the node ``name``, made with ``settings`` and the connection
+    class and pool size of ``model`` (a node of the cluster client)."""
     family = family_of(cluster)
     pool = _node_pool(family.pool)(
-        connection_class=connection_class, max_connections=max_connections, **settings
+        connection_class=model.connection_class, max_connections=model.max_connections, **settings
     )
     client: Redis = family.client(connection_pool=pool)
     vars(cluster).setdefault(_NODES, {})[name] = client
