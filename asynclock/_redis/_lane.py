@@ -220,10 +220,9 @@ class Lane:
                 self._arm(min(left))
 
     async def _borrow(self) -> tuple[Any, float | None]:
-        pool = self.client.connection_pool
         self._held += 1  # counted before the await: a burst takes no more than _size
         try:
-            connection = await get_connection(pool)
+            connection = await get_connection(self.client.connection_pool)
         except BaseException as exc:
             self._held -= 1
             if isinstance(exc, valkey_errors()):  # (a valkey-py pool's: see _valkey)

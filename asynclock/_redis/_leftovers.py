@@ -70,8 +70,6 @@ def forget_connection(connection: Any) -> bool:
             transport._sock = None  # type: ignore[union-attr]
     connection._reader = None
     connection._writer = None
-    parser = getattr(connection, "_parser", None)
-    if parser is not None:
-        with contextlib.suppress(Exception):
-            parser.on_disconnect()
+    with contextlib.suppress(Exception):  # (AttributeError too: a connection without a parser)
+        connection._parser.on_disconnect()
     return True
