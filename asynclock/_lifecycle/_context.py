@@ -29,6 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from typing import TypedDict, Unpack, cast, overload
 
 from redis.asyncio import Redis
@@ -43,7 +44,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from .._base._events import EventHook, LeaseEventKind, hooks, report
+from .._base._events import EventHook
 from .._base._exceptions import AcquireTimeout, LockBusy
 from .._base._options import KEYWORDS, Client, LeaseOptions, is_cluster, redis_api
 from .._base._shield import ExcType, Traceback
@@ -56,7 +57,7 @@ from .._kinds._shared import Shared
 from .._redis._cluster import node_client, reload_slots
 from .._redis._lane import not_sent
 from .._session._connections import Companion, HoldEntry, companion_for
-from ._lease import Lease, LeaseState, Tenure
+from ._lease import Lease, LeaseState, Tenure, report_failed
 from ._redlock import RedlockContext, RedlockLease, acquire_redlock
 from ._release import Wake, after_release, let_go, unretain
 from ._release import release as release_lease
@@ -237,7 +238,8 @@ def lease(
     """
     hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        return RedlockContext(redis, _redlock_options(redis, name, options), hook, take)
+        servers = _redlock_options(redis, name, options)
+        return RedlockContext(partial(acquire_redlock, redis, servers, hook, take))
     client = cast(Client, redis)  # (a client, or _options raises TypeError)
     return LeaseContext(client, _options(client, name, options), hook)
 
@@ -384,11 +386,8 @@ async def begin(
     try:
         held = await take(redis, options, hook, job)
     except (LockBusy, AcquireTimeout) as exc:
-        if hook is not None or hooks():
-            now = loop.time()
-            why = "busy" if isinstance(exc, LockBusy) else "timeout"
-            failed = LeaseEventKind.ACQUIRE_FAILED
-            report(hook, failed, options.name, 0, now, 0.0, why, now - t_call)
+        why = "busy" if isinstance(exc, LockBusy) else "timeout"
+        report_failed(hook, options.name, why, t_call)
         raise
     scope = None
     if block:

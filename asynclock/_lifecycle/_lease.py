@@ -52,7 +52,7 @@ from .._session._watchdog import report_stall
 from ._release import Wake, after_release, let_go, release_storing
 from ._release import release as release_lease
 
-__all__ = ["Lease", "LeaseGuard", "LeaseState", "Tenure"]
+__all__ = ["Lease", "LeaseGuard", "LeaseState", "Tenure", "report_failed"]
 
 log = logging.getLogger("asynclock")
 
@@ -71,6 +71,14 @@ class LeaseState(enum.StrEnum):
 
 
 _ACTIVE: Final = (LeaseState.HELD, LeaseState.SUSPECT)
+
+
+def report_failed(hook: EventHook | None, name: str, why: str, t_call: float) -> None:
+    """The ``acquire_failed`` event (``why``: ``busy`` or ``timeout``) of an acquisition
+    called at loop time ``t_call``: no lease was made (a Redlock's is the lock's whole)."""
+    if hook is not None or hooks():
+        now = asyncio.get_running_loop().time()
+        report(hook, LeaseEventKind.ACQUIRE_FAILED, name, 0, now, 0.0, why, now - t_call)
 
 
 @final
@@ -206,8 +214,9 @@ class Tenure:
         if self.closing and self.state is not LeaseState.LOST:
             raise RuntimeError(f"the lease {self.options.name!r} has been released")
 
-    async def give_back(self, give: Callable[[Tenure], Awaitable[Wake]] | None = None) -> None:
-        """``Lease.release()``, giving the key back with ``give`` if given."""
+    async def give_back(self, give: Callable[[Tenure], Awaitable[Wake]] = release_lease) -> None:
+        """``Lease.release()``, giving the key back with ``give`` (once(): the result stored
+        with the release)."""
         in_flight = sys.exc_info()[1]
         guards = self.guards
         if guards is None:
@@ -226,10 +235,7 @@ class Tenure:
             wake = Wake.OURS
             try:
                 self.overran("the release")
-                if give is None:
-                    wake = await release_lease(self, shielded=False)
-                else:  # (once(): the result stored with the release)
-                    wake = await give(self)
+                wake = await give(self)
             finally:
                 try:
                     await after_release(self, wake)
@@ -252,7 +258,7 @@ class Tenure:
             nonlocal stored
             if held.state is LeaseState.LOST:  # (lost: a plain release, nothing stored)
                 stored = False
-                return await release_lease(held, shielded=False)
+                return await release_lease(held)
             stored = await release_storing(held, keys, args)
             return Wake.OURS
 
@@ -282,10 +288,6 @@ class Tenure:
     @property
     def active(self) -> bool:
         return self.state in _ACTIVE and not self.closing
-
-    @property
-    def live(self) -> bool:
-        return self.state in _ACTIVE
 
     def past_deadline(self) -> bool:
         """Still active, but the safe deadline has passed (its timer not run yet)."""

@@ -40,7 +40,7 @@ from .._base._exceptions import AcquireTimeout, LockBusy, LockLost, LossReason
 from .._base._options import Client, LeaseOptions
 from .._base._shield import ExcType, Traceback, finish
 from .._session._connections import HoldEntry, companion_for
-from ._lease import LeaseState, Tenure
+from ._lease import LeaseState, Tenure, report_failed
 
 __all__ = ["RedlockContext", "RedlockLease", "Take", "acquire_redlock"]
 
@@ -61,20 +61,13 @@ class RedlockLease:
     late, LOST once fewer than a majority are left, RELEASED once given back.
     """
 
-    def __init__(
-        self,
-        name: str,
-        ttl: float,
-        leases: list[Tenure],
-        servers: int,
-        hook: EventHook | None = None,
-    ) -> None:
+    def __init__(self, name: str, ttl: float, servers: int, hook: EventHook | None) -> None:
         self._hook = hook
         self.name: Final = name
         self.ttl: Final = ttl
         self.servers: Final = servers
         """How many servers the lock is taken over."""
-        self._leases = leases
+        self._leases: list[Tenure] = []  # (once a majority granted it: see acquire_redlock)
         self._quorum = servers // 2 + 1  # (a majority)
         self._lost: LossReason | None = None
         self._released = False
@@ -190,15 +183,15 @@ class RedlockLease:
         if not self._released:
             if self._scopes:
                 raise RuntimeError(f"release() of {self.name!r} while a guard() of it is open")
-            self._released = True
-            await _release_all(self._leases)
-            self._report_released()
+            await self._give_back()
         if self._lost is not None:
             raise LockLost(self.name, self._lost)
 
-    def _report_released(self) -> None:
-        """The ``released`` event of the lock as a whole (its servers' leases report
-        to it alone), unless it was lost."""
+    async def _give_back(self) -> None:
+        """Give the lock back on every server, then report ``released`` for the lock as a
+        whole (its servers' leases report to it alone), unless it was lost."""
+        self._released = True  # (first: leases given back no longer count as lost)
+        await _release_all(self._leases)
         if self._lost is None:
             now = self._loop.time()
             released, token = LeaseEventKind.RELEASED, self.fencing_token
@@ -260,37 +253,25 @@ class RedlockContext:
     """``async with lease([r1, r2, r3], name)``: the block runs while a majority holds
     the lock, and is cancelled once it does not (``LockLost`` at its exit)."""
 
-    def __init__(
-        self,
-        servers: Sequence[Client],
-        options: list[LeaseOptions],
-        hook: EventHook | None,
-        take: Take,
-    ) -> None:
-        self.servers = list(servers)
-        self._options = options
-        self._hook = hook
-        self._take = take
+    def __init__(self, acquire: Callable[[], Awaitable[RedlockLease]]) -> None:
+        self._acquire = acquire  # (acquire_redlock, its arguments given)
         self._lock: RedlockLease | None = None
         self._guard: _Guard | None = None
 
     async def __aenter__(self) -> RedlockLease:
         if self._lock is not None:
             raise RuntimeError("a lease() context manager can be entered only once")
-        self._lock = await acquire_redlock(self.servers, self._options, self._hook, self._take)
-        self._guard = self._lock.guard()
-        await self._guard.__aenter__()
-        return self._lock
+        lock = self._lock = await self._acquire()
+        self._guard = lock.guard()
+        return await self._guard.__aenter__()
 
     async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         lock, guard = self._lock, self._guard
         assert lock is not None
         assert guard is not None
         try:
-            lock._released = True  # (first: leases given back no longer count as lost)
             with anyio.CancelScope(shield=True):
-                await _release_all(lock._leases)
-            lock._report_released()
+                await lock._give_back()
         finally:
             await guard.__aexit__(exc_type, exc, tb)
 
@@ -318,7 +299,7 @@ async def acquire_redlock(
         if isinstance(server, Redis):
             companion_for(server).check_not_holding(first.base_key, first.name)
     while True:
-        lock = RedlockLease(first.name, first.ttl, [], len(servers), hook)
+        lock = RedlockLease(first.name, first.ttl, len(servers), hook)
         limit = first.ttl / 3
         if deadline is not None:
             limit = min(limit, max(deadline - loop.time(), _SHORTEST_ROUND))
@@ -334,22 +315,16 @@ async def acquire_redlock(
         if errors and len(errors) == len(servers):
             raise errors[0]
         if not blocking:
-            _report_failed(hook, first.name, "busy", loop.time() - t_call)
+            report_failed(hook, first.name, "busy", t_call)
             raise LockBusy(first.name)
         pause = random.uniform(0, min(_RETRY_PAUSE, first.ttl / 3))
         if deadline is not None and deadline - loop.time() <= pause:
-            _report_failed(hook, first.name, "timeout", loop.time() - t_call)
+            report_failed(hook, first.name, "timeout", t_call)
             raise AcquireTimeout(first.name, timeout or 0.0, "no majority of the servers")
         await asyncio.sleep(pause)
 
 
 _SHORTEST_ROUND = 0.05  # seconds: a round of attempts near the blocking_timeout
-
-
-def _report_failed(hook: EventHook | None, name: str, why: str, waited: float) -> None:
-    """The ``acquire_failed`` event of the Redlock as a whole (``busy``, ``timeout``)."""
-    now = asyncio.get_running_loop().time()
-    report(hook, LeaseEventKind.ACQUIRE_FAILED, name, 0, now, 0.0, why, waited)
 
 
 async def _take_all(

@@ -57,8 +57,6 @@ class Held(Protocol):
     @property
     def keep_until(self) -> float | None: ...  # hold_at_least: keep the key until then
     @property
-    def live(self) -> bool: ...  # HELD or SUSPECT
-    @property
     def asking(self) -> bool: ...  # (its slot migrates to its node: see Tenure.moved)
 
     def owner(self) -> str: ...
@@ -78,10 +76,11 @@ class Wake(enum.Enum):
     # the releaser lets it run first (see after_release)
 
 
-async def release(held: Held, *, shielded: bool) -> Wake:
-    """Stop renewing and release the key (shielded; every exchange ends within
-    release_timeout), hand it to the next waiter of this client's line, or grant it to
-    a waiter of another client. Returns whom to wake (see ``after_release``).
+async def release(held: Held, *, shielded: bool = False) -> Wake:
+    """Stop renewing and release the key (shielded, unless the caller is: ``shielded``;
+    every exchange ends within release_timeout), hand it to the next waiter of this
+    client's line, or grant it to a waiter of another client. Returns whom to wake
+    (see ``after_release``).
 
     A renewal of this lease may still be in flight in a batch with other leases'; it
     is not waited for: the renew script is owner-checked, so landing after the
@@ -128,16 +127,10 @@ async def release(held: Held, *, shielded: bool) -> Wake:
     try:
         released = await finish_idempotent(release, limit, shield=not shielded)
     except Exception as exc:
-        log.warning(
-            "release of %r did not complete (%r); its key expires by its TTL",
-            held.options.name,
-            exc,
-        )
-        held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
+        _not_done(held, exc, "release of %r did not complete (%r); its key expires by its TTL")
         return Wake.OURS
     if released is _Outcome.NOT_OURS:
-        if held.live:
-            held.lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
+        held.lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
     elif released is not None:
         held.event(LeaseEventKind.RELEASED)
     if successor is not None and not room.waiting(channel) and room.registered(channel):
@@ -170,22 +163,28 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     try:
         reply, first = await finish_idempotent(store, limit)
     except Exception as exc:
-        log.warning(
+        _not_done(
+            held,
+            exc,
             "the result of %r may not have been stored (%r); its lease expires "
             "by its TTL, after which a duplicate may run the job again",
-            held.options.name,
-            exc,
         )
-        held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
         return None
     if reply == 1:
         held.event(LeaseEventKind.RELEASED)
         return True
     if not first:
         return None  # (the first run may have stored it, and deleted the key)
-    if _proves_loss(held, first) and held.live:
+    if _proves_loss(held, first):
         held.lose(LossReason.NOT_OWNER)
     return False
+
+
+def _not_done(held: Held, exc: Exception, warning: str) -> None:
+    """A release did not complete (``exc``): ``warning`` logged (with the lease's name and
+    ``exc``), ``release_failed`` reported. The key expires by its TTL."""
+    log.warning(warning, held.options.name, exc)
+    held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
 
 
 class _Outcome(enum.Enum):
@@ -234,6 +233,7 @@ async def _send_release(
         args: list[Arg] = [held.owner(), options.channel, room.origin]
         if keep_ms:
             args.append(keep_ms)
+        retrying: Callable[[], None] | None = None
     else:
         request = handoff_call(
             options,
@@ -245,8 +245,7 @@ async def _send_release(
             t_offer,
         )
         script, keys, args = request.script, list(request.keys), request.args
-    retrying = None
-    if successor is not None:  # (the first run may have registered us as waiting)
+        # (on a retry: the first run may have registered us as waiting)
         retrying = partial(room.set_registered, options.channel, True)
     reply, definitive = await _send(held, script, keys, args, deadline, retrying)
     first = first and definitive

@@ -139,6 +139,6 @@ async def _give_back(held: Tenure) -> None:
     held.not_confirmed()
     wake = Wake.OURS
     try:
-        wake = await release(held, shielded=False)
+        wake = await release(held)
     finally:
         await after_release(held, wake)
