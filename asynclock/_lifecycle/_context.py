@@ -102,12 +102,11 @@ class LeaseContext:
         # innermost scope now): cheaper than a scope of its own. A scope that cancelled
         # the block (the lease was lost) is left first, since it would cancel the release.
         inside = not scope.cancel_called
+        body_error = exc
         if inside:
             scope.shield = True
-            swallowed = False
-        else:
-            swallowed = bool(scope.__exit__(exc_type, exc, tb))
-        body_error = None if swallowed else exc
+        elif scope.__exit__(exc_type, exc, tb):
+            body_error = None  # (swallowed by the scope)
         wake = Wake.OURS
         try:
             try:
@@ -412,8 +411,7 @@ async def _take_on_cluster(
 ) -> Tenure:
     """``_take`` on the primary that owns the lock's slot (see ``_redis._cluster``), the
     slot map reloaded after each failed attempt; when it tries again is ``_SlotRetry``'s."""
-    loop = asyncio.get_running_loop()
-    retry = _SlotRetry(options, loop)
+    retry = _SlotRetry(options, asyncio.get_running_loop())
     while True:
         attempt = retry.options()
         try:

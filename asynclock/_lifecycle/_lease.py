@@ -479,10 +479,8 @@ class Tenure:
     def confirm(self, t_send: float, safe_until: float | None = None) -> bool:
         """A renewal sent at ``t_send`` was confirmed (``safe_until`` is its new deadline,
         when the caller has computed it). Returns False if the lease is (now) lost."""
-        if self.state not in _ACTIVE:
-            return False
-        if self.companion.loop.time() >= self.deadline:
-            self.lose(LossReason.DEADLINE, self.lost_cause)
+        if self.state not in _ACTIVE or self.companion.loop.time() >= self.deadline:
+            self.lose(LossReason.DEADLINE, self.lost_cause)  # (once ended, it changes nothing)
             return False
         if safe_until is None:
             safe_until = self.options.safe_until(t_send)
@@ -735,8 +733,7 @@ class LeaseGuard:
         if not held.held_locally():
             held.overran("a guard")  # (past its deadline, its timer not run yet)
             raise held.loss_error() from held.lost_cause
-        scope = held.open_guard()
-        self._scope = scope
+        self._scope = held.open_guard()
         self._entry = held.companion.holding(held.options.base_key)
         return self._lease
 

@@ -393,11 +393,7 @@ def _give_back_late(task: asyncio.Future[Tenure]) -> None:
 
 async def _release_all(leases: list[Tenure]) -> None:
     """Give back every lease at once; each release is shielded and bounded, and a loss
-    it reports is the Redlock's business, not an error here."""
-
-    async def one(lease: Tenure) -> None:
-        with contextlib.suppress(LockLost):
-            await lease.give_back()
-
+    it reports (``LockLost``, returned by the gathering) is the Redlock's business, not an
+    error here."""
     if leases:
-        await asyncio.gather(*(one(lease) for lease in leases), return_exceptions=True)
+        await asyncio.gather(*(lease.give_back() for lease in leases), return_exceptions=True)
