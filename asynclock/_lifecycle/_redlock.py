@@ -203,8 +203,7 @@ class RedlockLease:
         if event.kind is not LeaseEventKind.LOST or self._lost is not None or self._released:
             return
         if self.held_on < self._quorum:
-            detail = event.detail
-            self._lost = LossReason(detail) if detail in _REASONS else LossReason.DEADLINE
+            self._lost = LossReason(event.detail)  # (a lease's loss reports its reason)
             for scope in self._scopes:
                 scope.cancel()
             lost, token, at = LeaseEventKind.LOST, self.fencing_token, event.at
@@ -215,9 +214,6 @@ class RedlockLease:
             f"<RedlockLease {self.name!r} {self.state.name} on {self.held_on} of "
             f"{self.servers} servers>"
         )
-
-
-_REASONS = {reason.value for reason in LossReason}
 
 
 class _Guard:
