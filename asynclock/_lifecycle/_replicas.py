@@ -63,31 +63,29 @@ async def confirm_replicas(held: Tenure) -> None:
     wait_ms = options.replica_wait_ms * options.confirmation_steps  # (the most in all)
     error: BaseException | None = None
     confirmed = -1
-    try:
-        async with asyncio.timeout(wait_ms / 1000 + options.release_timeout):
-            confirmed = await _renew_and_wait(held, commands, wait_ms)
-    except (RedisError, OSError, TimeoutError) as exc:
-        error = exc
+    try:  # (whatever fails, a cancellation too, gives the lease back)
+        try:
+            async with asyncio.timeout(wait_ms / 1000 + options.release_timeout):
+                confirmed = await _renew_and_wait(held, commands, wait_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
+            error = exc
+        unknown = isinstance(error, ResponseError) and "unknown command" in str(error).lower()
+        if options.wait_aof and unknown:
+            raise ResponseError(
+                "wait_aof=True needs a server with WAITAOF (Redis or Valkey 7.2 and later): "
+                f"{error}"
+            ) from error
+        if confirmed == _NOT_OURS:  # (the give-back finds it not ours: the lease is lost)
+            raise LockLost(options.name, LossReason.NOT_OWNER)
+        if confirmed < wanted:
+            raise ReplicationTimeout(options.name, wanted, confirmed, wait_ms / 1000) from error
+        if held.time_left < options.ttl / 3:
+            # Confirmed, but so late that too little of the lease is left to hand it out
+            # (as for an acquire answered late): it does not count either.
+            raise ReplicationTimeout(options.name, wanted, -1, wait_ms / 1000)
     except BaseException:
         await _give_back(held)
         raise
-    unknown = isinstance(error, ResponseError) and "unknown command" in str(error).lower()
-    if options.wait_aof and unknown:
-        await _give_back(held)
-        raise ResponseError(
-            f"wait_aof=True needs a server with WAITAOF (Redis or Valkey 7.2 and later): {error}"
-        ) from error
-    if confirmed == _NOT_OURS:
-        await _give_back(held)  # (finds it not ours: the lease is marked lost)
-        raise LockLost(options.name, LossReason.NOT_OWNER)
-    if confirmed < wanted:
-        await _give_back(held)
-        raise ReplicationTimeout(options.name, wanted, confirmed, wait_ms / 1000) from error
-    if held.time_left < options.ttl / 3:
-        # Confirmed, but so late that too little of the lease is left to hand it out (as
-        # for an acquire answered late): it does not count either.
-        await _give_back(held)
-        raise ReplicationTimeout(options.name, wanted, -1, wait_ms / 1000)
 
 
 _NOT_OURS = -2
