@@ -304,8 +304,7 @@ class Tenure:
         return value
 
     def loss_error(self) -> LockLost:
-        reason = self.lost_reason or LossReason.DEADLINE
-        return LockLost(self.options.name, reason)
+        return LockLost(self.options.name, self.lost_reason or LossReason.DEADLINE)
 
     def raise_loss(self, error: BaseException | None, what: str) -> None:
         """The lease was lost while ``what`` (a block, a guard) ran, and it ended with
