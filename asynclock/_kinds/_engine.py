@@ -29,7 +29,7 @@ deadline (loop time) when the acquisition starts.
 - Past the deadline the wait ends with an ``AcquireTimeout`` that says what the last
   reply said (``held``): the lock held and for how much longer its holder's lease runs;
   or, when the last round trip found no answer in time, that Redis did not answer
-  (``no_answer``). Undoing an attempt still in flight may take ``TIMEOUT_GRACE`` more.
+  (``timed_out``). Undoing an attempt still in flight may take ``TIMEOUT_GRACE`` more.
 
 A kind supplies only what differs (``Kind``): the script and its keys and arguments, the
 parsing of its reply into a named outcome (``Granted``, ``Busy``, ``Refused``), the pause
@@ -58,7 +58,7 @@ from .._redis._lane import not_sent
 from .._redis._scripts import UNKNOWN_OUTCOME, Arg, Script, run_idempotent
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
-from ._hold import Hold
+from ._hold import Hold, of_lock
 
 __all__ = [
     "Busy",
@@ -98,33 +98,26 @@ def held(options: LeaseOptions, pttl_ms: int | None) -> AcquireTimeout:
     """The timeout of an acquisition whose last attempt found the lock taken;
     ``pttl_ms``: what that attempt said of the holder's time left (ms; -1 no expiry,
     None or 0 unknown)."""
+    whose = "its holder's lease ends"
     if options.limit > 1:
         what = f"all {options.limit} permits are held"
         whose = "the first of them ends"
     elif options.fair:
         what = "the lock is held, or others wait ahead in its queue"
-        whose = "its holder's lease ends"
     else:
         what = "the lock is held" if not options.shared else "the lock is held exclusively"
-        whose = "its holder's lease ends"
     if pttl_ms is not None and pttl_ms > 0:
         detail = f"{what} ({whose} in {pttl_ms / 1000:.3g}s unless renewed)"
     elif pttl_ms == -1:
         detail = f"{what} by a key without expiry (not written by asynclock?)"
     else:
         detail = what
-    return AcquireTimeout(options.name, options.blocking_timeout or 0.0, detail)
+    return timed_out(options, detail)
 
 
-def no_answer(options: LeaseOptions) -> AcquireTimeout:
-    """The timeout of an acquisition whose last round trip got no answer in time."""
-    return AcquireTimeout(options.name, options.blocking_timeout or 0.0, "Redis did not answer")
-
-
-def slow(options: LeaseOptions) -> AcquireTimeout:
-    """The timeout of an acquisition whose last grant came too late to use, past the
-    deadline."""
-    detail = "Redis is slow: the last grant came too late to use"
+def timed_out(options: LeaseOptions, detail: str) -> AcquireTimeout:
+    """The timeout of an acquisition, ``detail`` saying why: besides ``held``, Redis did
+    not answer the last round trip in time, or its last grant came too late to use."""
     return AcquireTimeout(options.name, options.blocking_timeout or 0.0, detail)
 
 
@@ -287,7 +280,9 @@ class Line(Turn):
 class Kind:
     """What a kind of lock supplies to the acquisition loop, for one acquisition with
     ``options`` (the defaults: a kind whose attempt depends on nothing but the token,
-    with no bookkeeping around it, whose waiters all try at each wake-up)."""
+    with no bookkeeping around it, whose waiters all try at each wake-up, whose replies
+    are those every acquire script shares, which waits until the holder's time is up,
+    and whose lease holds the lock's own key)."""
 
     __slots__ = ("_options",)
 
@@ -314,19 +309,19 @@ class Kind:
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
         """The acquire script's reply as an outcome."""
-        raise NotImplementedError
+        return answer(reply, t_send, self._options)
 
     def answered(self, outcome: Granted | Busy, waiting: bool) -> None:
         """Called with each answer the caller was not cancelled during."""
 
     def pause(self, busy: Busy) -> float:
         """Seconds to wait before trying again when no release wakes us."""
-        raise NotImplementedError
+        return until_expiry(self._options, busy.pttl_ms)
 
     def holding(self, token: str, grant: Granted) -> Hold:
         """What the lease that ``grant`` (taken with ``token``) holds: its key (the
         lock's, a permit's or a shared lease's own) and how it is renewed and released."""
-        raise NotImplementedError
+        return of_lock(self._options)
 
     def undo(self, token: str, origin: str) -> Request:
         """The script that undoes whatever an attempt with ``token`` may have left (and
@@ -417,15 +412,19 @@ class _Acquisition:
 
     async def _wait(self, deadline: float | None) -> Granted:
         turn = self._turn = self._kind.turn(self._companion.room, self._token)
-        first: Busy | None = None
+        busy: Busy | None = None
         if turn.first_alone():
-            outcome = await self._alone(turn, deadline)
+            # Try before taking a place in the line (the uncontended case costs no line
+            # bookkeeping): a usable grant, or the busy reply to act on once in line.
+            outcome = None
+            while outcome is None:  # (a grant too late to use is refreshed at once)
+                outcome = await self._try(turn, deadline)
             if isinstance(outcome, Granted):
                 return outcome
-            first = outcome
+            busy = outcome
         turn.take_place()
         try:
-            grant = await self._in_turn(turn, deadline, first)
+            grant = await self._in_turn(turn, deadline, busy)
         except BaseException as exc:
             # (quietly when our caller returns at once: timed out, or refused, which is
             # the error in flight when _refused is set)
@@ -433,16 +432,6 @@ class _Acquisition:
             raise
         await turn.leave(True, False)
         return grant
-
-    async def _alone(self, turn: Turn, deadline: float | None) -> Granted | Busy:
-        """Try before taking a place in the line (the uncontended case costs no line
-        bookkeeping): a usable grant, or the busy reply to act on once in line."""
-        while True:
-            outcome = await self._attempt(deadline, turn)
-            if isinstance(outcome, Busy) or self._usable(outcome.t_send):
-                return outcome
-            if deadline is not None and self._loop.time() >= deadline:
-                raise slow(self._options)
 
     async def _in_turn(self, turn: Turn, deadline: float | None, busy: Busy | None) -> Granted:
         """Wait in turn until an attempt (or a releaser) gives us the lock."""
@@ -465,7 +454,9 @@ class _Acquisition:
             elif busy is not None or turn.event.is_set():
                 turn.event.clear()
                 if busy is None:
-                    outcome = await self._try(turn, deadline, held_ms)
+                    if deadline is not None and self._loop.time() >= deadline:
+                        raise held(options, held_ms)  # (an attempt now would be too late)
+                    outcome = await self._try(turn, deadline)
                     if isinstance(outcome, Granted):
                         return outcome
                     if outcome is None:
@@ -495,18 +486,14 @@ class _Acquisition:
             except TimeoutError:
                 turn.event.set()  # the holder's time is up about now: try again
 
-    async def _try(
-        self, turn: Turn, deadline: float | None, held_ms: int | None
-    ) -> Granted | Busy | None:
-        """One attempt in turn: a usable grant, a busy reply, or None for a grant
-        answered too late to use (to be refreshed)."""
-        if deadline is not None and self._loop.time() >= deadline:
-            raise held(self._options, held_ms)  # (an attempt now would be too late)
+    async def _try(self, turn: Turn, deadline: float | None) -> Granted | Busy | None:
+        """One attempt of a wait: a usable grant, a busy reply, or None for a grant
+        answered too late to use (to be refreshed; past the deadline, Redis is slow)."""
         outcome = await self._attempt(deadline, turn)
         if isinstance(outcome, Busy) or self._usable(outcome.t_send):
             return outcome
         if deadline is not None and self._loop.time() >= deadline:
-            raise slow(self._options)
+            raise timed_out(self._options, "Redis is slow: the last grant came too late to use")
         return None
 
     def _usable(self, t_send: float) -> bool:
@@ -558,7 +545,7 @@ class _Acquisition:
                     raise  # (never reached Redis: nothing to undo)
                 self._pending = True  # (it may have landed: run() undoes it)
                 if deadline is not None and self._loop.time() >= deadline:
-                    raise no_answer(self._options) from exc
+                    raise timed_out(self._options, "Redis did not answer") from exc
                 if retried:
                     raise
                 retried = True
@@ -628,5 +615,4 @@ class _Acquisition:
                 exc,
             )
         finally:
-            self._pending = False
             companion.room.wake(options.channel)  # (the others: it may be free now)

@@ -25,7 +25,6 @@ from typing import Final
 
 from .._redis._scripts import FAIR_ACQUIRE, FAIR_LEAVE, Arg
 from ._engine import Busy, Granted, Kind, Refused, Request, Turn, answer
-from ._hold import Hold, of_lock
 
 __all__ = ["FAIR_PATIENCE", "Fair"]
 
@@ -66,9 +65,6 @@ class Fair(Kind):
         if busy.pttl_ms > 0:
             wait = min(wait, busy.pttl_ms / 1000 + random.uniform(0.001, 0.005))
         return wait
-
-    def holding(self, token: str, grant: Granted) -> Hold:
-        return of_lock(self._options)  # (the plain lock's key, never handed over)
 
     def undo(self, token: str, origin: str) -> Request:
         """Leave the queue, and undo an attempt that may have taken the lock."""

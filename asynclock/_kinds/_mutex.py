@@ -26,7 +26,6 @@ which ACQUIRE honours, so the cleanup is safe even if it overtakes the attempt.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 from typing import Final, NamedTuple, cast
@@ -38,7 +37,6 @@ from .._redis._scripts import ABANDON, ACQUIRE, ACQUIRE_JOB, HANDOFF, Arg
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
 from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer, until_expiry
-from ._hold import Hold, of_lock
 
 __all__ = [
     "GRANT_FRESH_MS",
@@ -106,6 +104,11 @@ class JobConflict(Exception):
     def __init__(self, theirs: object) -> None:
         super().__init__("the job runs, or ran, with another fingerprint")
         self.theirs = theirs
+
+
+_JOB_REFUSALS: Final[dict[int, type[Exception]]] = {2: JobDone, 3: JobConflict, 4: JobUnstored}
+"""A job's attempt refused, by its status: the result stored, another fingerprint, the
+result not stored."""
 
 
 class Mutex(Kind):
@@ -183,12 +186,8 @@ class Mutex(Kind):
         if isinstance(reply, list):
             raw_status, raw_value = cast(list[int | bytes], reply)  # (exactly two, or raise)
             status = int(raw_status)
-            if status == 2:
-                return Refused(JobDone(raw_value))
-            if status == 3:
-                return Refused(JobConflict(raw_value))
-            if status == 4:
-                return Refused(JobUnstored(raw_value))
+            if status in _JOB_REFUSALS:
+                return Refused(_JOB_REFUSALS[status](raw_value))
             if status == 5:
                 return Granted(int(raw_value), t_send, handed=True)
         return answer(reply, t_send, self._options)
@@ -203,9 +202,6 @@ class Mutex(Kind):
         registration's life (a live wait never lapses)."""
         wait = until_expiry(self._options, busy.pttl_ms)
         return min(wait, register_ms(self._options.ttl_ms) / 2000)
-
-    def holding(self, token: str, grant: Granted) -> Hold:
-        return of_lock(self._options)
 
     def undo(self, token: str, origin: str) -> Request:
         """ABANDON: delete the key if it holds ``token``, withdraw its offer, tombstone it."""
@@ -324,7 +320,5 @@ async def unregister(companion: Companion, options: LeaseOptions) -> None:
     companion.room.set_registered(options.channel, False)
     try:
         await finish(exchange(companion.client, command, 1), min(1.0, options.release_timeout))
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # (a cancellation is no Exception: it propagates)
         log.debug("could not unregister a wait for %r: %r", options.name, exc)

@@ -32,7 +32,7 @@ from typing import cast
 from .._base._exceptions import LimitConflict
 from .._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE
 from .._session._wakeup import WaitingRoom
-from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer, until_expiry
+from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer
 from ._hold import Hold, of_permit
 
 __all__ = ["Permits"]
@@ -66,9 +66,6 @@ class Permits(Kind):
         if int(cast(list[int], reply)[0]) == -3:
             return Refused(LimitConflict(options.name, "held as a plain lock (limit=1)"))
         return answer(reply, t_send, options)
-
-    def pause(self, busy: Busy) -> float:
-        return until_expiry(self._options, busy.pttl_ms)
 
     def holding(self, token: str, grant: Granted) -> Hold:
         return of_permit(self._options, grant.slot)

@@ -24,14 +24,15 @@ scripts and their replies.
 from __future__ import annotations
 
 from .._redis._scripts import SHARED_ABANDON, SHARED_ACQUIRE
-from ._engine import Busy, Granted, Kind, Refused, Request, Turn, answer, until_expiry
+from ._engine import Granted, Kind, Request, Turn
 from ._hold import Hold, of_reader
 
 __all__ = ["Shared"]
 
 
 class Shared(Kind):
-    """The shared kind: a shared lease; every waiter tries at each release."""
+    """The shared kind: a shared lease; every waiter tries at each release. Its replies
+    are (1, fence): a shared hold; (0, ms to wait at most before trying again)."""
 
     __slots__ = ()
 
@@ -43,13 +44,6 @@ class Shared(Kind):
     def again(self, request: Request) -> Request:
         """The attempt, told to look for a hold of its token (SHARED_ACQUIRE's ARGV[4])."""
         return Request(request.script, request.keys, [*request.args[:3], "1"])
-
-    def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
-        """(1, fence): a shared hold; (0, ms to wait at most before trying again)."""
-        return answer(reply, t_send, self._options)
-
-    def pause(self, busy: Busy) -> float:
-        return until_expiry(self._options, busy.pttl_ms)
 
     def holding(self, token: str, grant: Granted) -> Hold:
         return of_reader(self._options, token)  # (a member of the readers' set)
