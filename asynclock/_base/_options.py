@@ -6,6 +6,7 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -18,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-if TYPE_CHECKING:  # (typing.TypeIs from Python 3.13 on; the type checker's own stubs)
+if TYPE_CHECKING:
+    # (typing.TypeIs from Python 3.13 on: the type checker's own stubs; valkey-py's
+    # clients too, for a type checker that has valkey-py)
     from typing_extensions import TypeIs
-
-if TYPE_CHECKING:  # (valkey-py's clients too, for a type checker that has valkey-py)
     from valkey.asyncio import Valkey
     from valkey.asyncio.cluster import ValkeyCluster
 
@@ -89,7 +90,6 @@ hold exactly (2**53) and that Redis accepts as an expiry."""
 _CLIENT_TYPES: set[type] = set()  # client classes already found to be redis.asyncio.Redis
 _BUILT: dict[tuple[object, ...], LeaseOptions] = {}  # see LeaseOptions.cached
 _BUILT_MAX = 1024
-_PERMITS: dict[tuple[LeaseOptions, int], LeaseOptions] = {}  # see LeaseOptions.permit
 
 MAX_LIMIT: Final = 1000
 """The most permits a semaphore may have (an acquire finds a free one in an index, in
@@ -287,12 +287,7 @@ class LeaseOptions:
 
     def permit(self, slot: int) -> LeaseOptions:
         """These options for a permit held in ``slot`` (its own key; cached)."""
-        found = _PERMITS.get((self, slot))
-        if found is None:
-            if len(_PERMITS) >= _BUILT_MAX:
-                _PERMITS.clear()
-            found = _PERMITS[(self, slot)] = replace(self, slot=slot)
-        return found
+        return _permit(self, slot)
 
     @property
     def waiting_key(self) -> str:
@@ -383,6 +378,12 @@ class LeaseOptions:
                 _BUILT.clear()
             _BUILT[key] = options
         return options
+
+
+@functools.lru_cache(maxsize=_BUILT_MAX)
+def _permit(options: LeaseOptions, slot: int) -> LeaseOptions:
+    """See ``LeaseOptions.permit``."""
+    return replace(options, slot=slot)
 
 
 KEYWORDS: Final[Mapping[str, object]] = {

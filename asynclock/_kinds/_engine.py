@@ -47,7 +47,7 @@ import random
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
 
@@ -178,8 +178,7 @@ def answer(
     raise RuntimeError("asynclock: an abandoned acquire attempt was answered")
 
 
-@dataclass(slots=True)
-class Request:
+class Request(NamedTuple):
     """One script call: the script, its keys and its arguments."""
 
     script: Script
@@ -389,8 +388,7 @@ class _Acquisition:
             exposed = turn is not None and turn.exposed and not self._refused
             try:
                 if self._pending or exposed:
-                    timed_out = isinstance(exc, AcquireTimeout)
-                    await self._undo(TIMEOUT_GRACE if timed_out else None)
+                    await self._undo(TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
             finally:
                 # (an offered token stays in use for as long as its lease: a grant
                 # repeated to it is not undone; see WaitingRoom.in_use)
@@ -408,7 +406,7 @@ class _Acquisition:
                 raise LockBusy(options.name, pttl / 1000 if pttl > 0 else None)
             if self._usable(outcome.t_send):
                 return outcome
-        raise AcquireTimeout(options.name, 0.0, "Redis answered too late to use it")
+        raise timed_out(options, "Redis answered too late to use it")
 
     async def _wait(self, deadline: float | None) -> Granted:
         turn = self._turn = self._kind.turn(self._companion.room, self._token)
@@ -467,14 +465,13 @@ class _Acquisition:
                 # (the pause counts from the reply: a subscription that took its bound
                 # and failed must not stretch it, say past a fair waiter's liveness)
                 resume = self._loop.time() + self._kind.pause(busy)
+                busy = None  # (acted on)
                 if not subscribed:
                     subscribed = True
                     if await room.subscribe(options.channel, deadline):
-                        busy = None
                         turn.event.set()  # subscribed first, now try again
                         continue
                 wait = max(0.0, resume - self._loop.time())
-                busy = None
             if deadline is not None:
                 left = deadline - self._loop.time()
                 if left <= 0:
@@ -524,12 +521,12 @@ class _Acquisition:
         request = kind.attempt(self._token, turn)
         if self._pending:  # (an attempt of ours may have left a hold: see again)
             request = kind.again(request)
-        script, keys, args = request.script, request.keys, request.args
         task = asyncio.current_task()  # (once: on Python 3.11 each lookup costs ~0.3 µs)
         before = task.cancelling() if task is not None else 0
         client = self._companion.lane
         retried = False
         while True:
+            script, keys, args = request
             t_send = self._loop.time()
             kind.sending(request, t_send)
             try:
@@ -550,7 +547,6 @@ class _Acquisition:
                     raise
                 retried = True
                 request = kind.again(request)
-                script, keys, args = request.script, request.keys, request.args
             except ResponseError as exc:
                 if isinstance(exc, OutOfMemoryError):
                     exc.add_note(
@@ -562,20 +558,15 @@ class _Acquisition:
             except BaseException:
                 self._pending = True
                 raise
-        return self._answered(reply, t_send, turn is not None, task, before)
+        cancelled = task is not None and task.cancelling() > before  # (see cancel_dropped)
+        return self._answered(reply, t_send, turn is not None, cancelled)
 
     def _answered(
-        self,
-        reply: object,
-        t_send: float,
-        waiting: bool,
-        task: asyncio.Task[object] | None,
-        before: int,
+        self, reply: object, t_send: float, waiting: bool, cancelled: bool
     ) -> Granted | Busy:
         """The reply as an outcome, with the dropped-cancellation rule: a cancellation
-        that arrived while the script was in flight is raised here, what the attempt took
-        left for ``run()`` to undo."""
-        cancelled = task is not None and task.cancelling() > before  # (see cancel_dropped)
+        that arrived while the script was in flight (``cancelled``) is raised here, what
+        the attempt took left for ``run()`` to undo."""
         try:
             outcome = self._kind.parse(reply, t_send, waiting)
         except Exception:
@@ -600,12 +591,10 @@ class _Acquisition:
         ``release_timeout``); then let the others of our client try."""
         options = self._options
         companion = self._companion
-        request = self._kind.undo(self._token, companion.room.origin)
+        script, keys, args = self._kind.undo(self._token, companion.room.origin)
         bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:
-            work = run_idempotent(
-                request.script, companion.lane, companion.overflow, request.keys, request.args
-            )
+            work = run_idempotent(script, companion.lane, companion.overflow, keys, args)
             await finish(work, bound)
         except Exception as exc:
             log.warning(
