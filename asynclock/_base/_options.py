@@ -386,25 +386,6 @@ def _permit(options: LeaseOptions, slot: int) -> LeaseOptions:
     return replace(options, slot=slot)
 
 
-KEYWORDS: Final[Mapping[str, object]] = {
-    "ttl": 10.0,
-    "blocking": True,
-    "blocking_timeout": None,
-    "release_timeout": 2.0,
-    "prefix": "asynclock:",
-    "fence_ttl": None,
-    "hold_at_least": None,
-    "max_hold": None,
-    "limit": 1,
-    "fair": False,
-    "shared": False,
-    "min_replicas": 0,
-    "wait_aof": False,
-}
-"""The options of a lease (``lease()``'s keyword arguments but ``on_event``, which is not
-the lease's but its caller's), with their defaults: their one definition."""
-
-
 def _check_name(name: object) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, not {type(name).__name__}")
@@ -421,9 +402,11 @@ def _check_name(name: object) -> str:
 
 def _checked(given: Mapping[str, object]) -> dict[str, Any]:
     """Every option of ``given`` (all of ``KEYWORDS``) checked and converted by its entry
-    of ``_CHECKS`` (seconds as floats, 0 for an option not given), then every rule about
+    of ``_OPTIONS`` (seconds as floats, 0 for an option not given), then every rule about
     combining them: the one place they are written."""
-    values = {argument: check(argument, given[argument]) for argument, check in _CHECKS.items()}
+    values = {
+        argument: check(argument, given[argument]) for argument, (_, check) in _OPTIONS.items()
+    }
     ttl, fence = values["ttl"], values["fence_ttl"]
     if fence and fence < ttl:
         raise ValueError(
@@ -446,6 +429,11 @@ def _checked(given: Mapping[str, object]) -> dict[str, Any]:
     if values["wait_aof"] and not values["min_replicas"]:
         raise ValueError("wait_aof=True needs min_replicas (the replicas that must confirm)")
     return values
+
+
+def _optional_ttl(argument: str, value: object) -> float:
+    """A TTL (``_duration``) that may be left out (0.0: not given)."""
+    return 0.0 if value is None else _duration(argument, value)
 
 
 def _longest(argument: str, value: object) -> float:
@@ -485,22 +473,29 @@ def _prefix(argument: str, value: object) -> str:
     return value
 
 
-_CHECKS: Final[Mapping[str, Callable[[str, object], Any]]] = {
-    "ttl": _duration,
-    "fence_ttl": lambda argument, value: 0.0 if value is None else _duration(argument, value),
-    "blocking": _flag,
-    "blocking_timeout": _optional_timeout,
-    "release_timeout": _positive,
-    "hold_at_least": _longest,
-    "max_hold": _longest,
-    "limit": _integer(1, MAX_LIMIT),
-    "fair": _flag,
-    "shared": _flag,
-    "min_replicas": _integer(0, MAX_REPLICAS),
-    "wait_aof": _flag,
-    "prefix": _prefix,
+_OPTIONS: Final[Mapping[str, tuple[object, Callable[[str, object], Any]]]] = {
+    "ttl": (10.0, _duration),
+    "fence_ttl": (None, _optional_ttl),
+    "blocking": (True, _flag),
+    "blocking_timeout": (None, _optional_timeout),
+    "release_timeout": (2.0, _positive),
+    "hold_at_least": (None, _longest),
+    "max_hold": (None, _longest),
+    "limit": (1, _integer(1, MAX_LIMIT)),
+    "fair": (False, _flag),
+    "shared": (False, _flag),
+    "min_replicas": (0, _integer(0, MAX_REPLICAS)),
+    "wait_aof": (False, _flag),
+    "prefix": ("asynclock:", _prefix),
 }
-"""How each option of ``KEYWORDS`` is checked and converted, given its name and value."""
+"""The options of a lease (``lease()``'s keyword arguments but ``on_event``, which is not
+the lease's but its caller's): their one definition, each with its default and how it is
+checked and converted, given its name and value (in the order they are checked)."""
+
+KEYWORDS: Final[Mapping[str, object]] = {
+    argument: default for argument, (default, _) in _OPTIONS.items()
+}
+"""The options of a lease with their defaults (see ``_OPTIONS``)."""
 
 
 def replicas_confirmed(reply: object) -> int:
