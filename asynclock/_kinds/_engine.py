@@ -249,9 +249,9 @@ class Line(Turn):
 
     __slots__ = ("_channel", "_options", "_room", "_token", "waiter")
 
-    def __init__(self, room: WaitingRoom, channel: str, token: str, options: LeaseOptions):
+    def __init__(self, room: WaitingRoom, token: str, options: LeaseOptions):
         self._room = room
-        self._channel = channel
+        self._channel = options.channel
         self._token = token
         self._options = options
         self.waiter = None

@@ -219,7 +219,7 @@ class HandOverLine(Line):
     __slots__ = ("_companion",)
 
     def __init__(self, companion: Companion, options: LeaseOptions, token: str) -> None:
-        super().__init__(companion.room, options.channel, token, options)
+        super().__init__(companion.room, token, options)
         self._companion = companion
 
     def handed(self) -> Granted | None:
