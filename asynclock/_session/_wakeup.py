@@ -112,9 +112,9 @@ class WaitingRoom:
         self.connection: Any = None
         """The subscription's connection (None before the first subscription)."""
         self._reader: asyncio.Task[None] | None = None
-        self._acked: set[str] = set()  # channels whose last SUBSCRIBE Redis confirmed
         # channel -> SUBSCRIBE/UNSUBSCRIBE commands for it sent and not answered yet: a
-        # channel counts as subscribed only once the reply to the last of them said so
+        # lock's channel counts as subscribed once the reply to the last of them, for it
+        # and for its grants', said so (its last command: SUBSCRIBE, see _subscribed)
         self._inflight: dict[str, int] = {}
         self._confirmed: set[str] = set()  # locks' channels confirmed with their grants'
         self._pending: dict[str, asyncio.Future[bool]] = {}
@@ -209,10 +209,8 @@ class WaitingRoom:
         line = self._lines.get(channel)
         if line:
             line[0].event.set()
-        listeners = self._listeners.get(channel)
-        if listeners:
-            for event in listeners:
-                event.set()
+        for event in self._listeners.get(channel, ()):
+            event.set()
 
     def listen(self, channel: str, event: asyncio.Event) -> None:
         """Set ``event`` at every release of the lock on ``channel`` (ours, or another
@@ -308,13 +306,11 @@ class WaitingRoom:
         inflight = self._inflight
         for name in names:
             inflight[name] = inflight.get(name, 0) + 1
-            self._acked.discard(name)
+        # Sharded, one lock's pair per command (one slot: see _both); else all in one.
+        step = 2 if self._sharded else len(names)  # (never empty)
         with connection_errors():  # (a dropped connection, on some Pythons: _compat)
-            if not self._sharded:
-                await self.connection.send_command(command, *names)
-                return
-            for i in range(0, len(names), 2):  # (a lock's pair: one slot, see _both)
-                await self.connection.send_command(command, *names[i : i + 2])
+            for i in range(0, len(names), step):
+                await self.connection.send_command(command, *names[i : i + step])
 
     async def _ensure_reader(self, limit: float = _SUBSCRIBE_LIMIT) -> None:
         if self._reader is not None:
@@ -399,7 +395,6 @@ class WaitingRoom:
             self._subscribed.discard(channel)
             for name in self._both((channel,)):
                 self._inflight.pop(name, None)
-                self._acked.discard(name)
         self._settle([channel for channel in self._pending if channel not in self._confirmed])
 
     def _settle(self, channels: Iterable[str], confirmed: bool = False) -> None:
@@ -413,7 +408,6 @@ class WaitingRoom:
     def _unsubscribed(self) -> None:
         """The subscription's connection broke or is closed: no channel is confirmed."""
         self._settle(self._pending)
-        self._acked.clear()
         self._inflight.clear()
         self._confirmed.clear()
 
@@ -428,10 +422,9 @@ class WaitingRoom:
         if not isinstance(reply, list) or len(reply) < 2:
             return False
         kind, raw_channel = reply[0], reply[1]
-        if isinstance(raw_channel, bytes):
-            name = raw_channel.decode(*self._encoding)
-        else:
-            name = str(raw_channel)
+        if not isinstance(raw_channel, bytes):  # (RESP2 bytes: see __init__)
+            return False
+        name = raw_channel.decode(*self._encoding)
         grant = name.endswith(self._grants)  # (a lock's channel ends in "}:released")
         channel = name[: -len(self._grants)] if grant else name
         if kind == b"message" or kind == b"smessage":
@@ -456,9 +449,9 @@ class WaitingRoom:
                     self._subscribed.discard(channel)
                     self.wake(channel)  # (its waiters try now, and find the new owner)
                     return True
-            else:
-                self._acked.add(name)
-                if channel in self._subscribed and self._acked.issuperset(self._both((channel,))):
+            else:  # subscribed, if its last command, and its grants', were so and are answered
+                answered = self._inflight.keys().isdisjoint(self._both((channel,)))
+                if answered and channel in self._subscribed:
                     self._confirmed.add(channel)
                     self._settle((channel,), True)
         return False
@@ -528,12 +521,8 @@ class WaitingRoom:
         self._registered.clear()
         self._healthy = False
         if reader is not None:
-            reader.cancel()
-            # (work that a grant read by the old reader started since: not a newcomer's)
-            started = list(self._background)
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-            await self._cancel_background(started)
+            # (and work that a grant read by the old reader started since: not a newcomer's)
+            await self._cancel_background([reader, *self._background])
         if connection is not None:
             with contextlib.suppress(Exception):
                 await connection.disconnect()
