@@ -73,9 +73,8 @@ async def follow_primary(
         log.debug("no sentinel said where the primary is: %r", exc)
         return
     home = lane.home = (address[0], int(address[1]))
-    connections = [] if subscription is None else [subscription]
-    connections += lane.idle_connections()
-    connections += idle_connections(pool)
+    # (a subscription that is None, or not connected, is passed over: reaches_another)
+    connections = [subscription, *lane.idle_connections(), *idle_connections(pool)]
     for client in own:
         if client is not None:
             connections += pool_connections(client.connection_pool)

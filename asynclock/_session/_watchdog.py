@@ -159,8 +159,7 @@ class Watchdog:
     def schedule(self, lease: Watched, due: float) -> None:
         """Look at ``lease`` at loop time ``due``: renew it then, or declare it lost if its
         ``safe_until`` has passed by then. Only for a lease not already waiting."""
-        lease.watch(due)
-        self._timeline.add(due, [lease])
+        self._schedule_group([lease], due)
 
     def idle(self) -> None:
         """No lease of the client is held any more: forget every schedule."""
@@ -213,9 +212,8 @@ class Watchdog:
                 except Exception as exc:  # (a logging handler, say): lost, never unwatched
                     _failed(lease, exc)
         for lease in early:
-            due = lease.deadline
-            lease.watch(due)
-            timeline.push(due, [lease])
+            lease.watch(lease.deadline)
+            timeline.push(lease.deadline, [lease])
         timeline.rearm(now)
         if batch:
             self._launch_split(batch)
