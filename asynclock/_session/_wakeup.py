@@ -116,7 +116,9 @@ class WaitingRoom:
         # lock's channel counts as subscribed once the reply to the last of them, for it
         # and for its grants', said so (its last command: SUBSCRIBE, see _subscribed)
         self._inflight: dict[str, int] = {}
-        self._confirmed: set[str] = set()  # locks' channels confirmed with their grants'
+        # locks' channels confirmed with their grants': all subscribed, on a connection not
+        # broken since (a break, or aclose, clears it)
+        self._confirmed: set[str] = set()
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._healthy = False
         self._heard = -math.inf  # loop time the subscription connection last answered
@@ -171,9 +173,7 @@ class WaitingRoom:
         connection dropped without a word, by a NAT or a load balancer, must not go on
         being trusted to carry grants)."""
         return (
-            self._healthy
-            and channel in self._confirmed
-            and channel in self._subscribed
+            channel in self._confirmed
             and asyncio.get_running_loop().time() - self._heard <= _HEARD_WITHIN
         )
 
@@ -238,7 +238,7 @@ class WaitingRoom:
         subscription no notification would come: then it is woken at once, and the
         subscription is made in the background for the next time (a line that passes the
         lock on by handoffs alone never had a failed attempt that subscribed)."""
-        if channel not in self._confirmed or not self._healthy:
+        if channel not in self._confirmed:
             self.wake(channel)
             if self._subscribing is None or self._subscribing.done():
                 self._subscribing = self.in_background(self.subscribe(channel))
@@ -369,7 +369,6 @@ class WaitingRoom:
                     log.debug("a subscription was refused: %r", exc)
                 self._heard = loop.time()
                 self._forget_unconfirmed()
-                continue
             except (RedisError, OSError) as exc:
                 log.debug("wake-up subscription broken: %r", exc)
                 self._healthy = False
@@ -381,11 +380,11 @@ class WaitingRoom:
                     await self.connection.disconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-                continue
-            if self._dispatch(reply):
-                # A waiter was woken (a grant, a release): let it run before this task
-                # reads on, the handoff waits for it, not for the next read to be armed.
-                await asyncio.sleep(0)
+            else:
+                if self._dispatch(reply):
+                    # A waiter was woken (a grant, a release): let it run before this task
+                    # reads on, the handoff waits for it, not for the next read to be armed.
+                    await asyncio.sleep(0)
 
     def _forget_unconfirmed(self) -> None:
         """A subscription was refused, and the refusal does not say which: every channel
