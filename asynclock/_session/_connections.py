@@ -16,7 +16,6 @@ so nothing is left open when the application closes its client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from functools import partial
 from typing import Any
@@ -123,7 +122,7 @@ class Companion:
         locate = None if sentinel is None else partial(self._follow_primary, sentinel)
         self.watchdog = Watchdog(loop, self.renewer, locate)
         self._users = 0
-        self._eviction_check: asyncio.Task[None] | None = None
+        self._eviction_check: asyncio.Task[object] | None = None  # (in the room's background)
         # (lease key, task) -> how many blocks and guards of that lock the task is in: a
         # task that enters a lock it holds would wait for itself forever (see holding).
         # (One register for all the nodes of a cluster: a lock's slot moves between them.)
@@ -143,10 +142,8 @@ class Companion:
         if self._users:
             return False
         self.watchdog.idle()
-        check = self._eviction_check
-        checking = check is not None and not check.done()
         clients = self._renewer is not None or self._overflow is not None
-        return clients or self.room.open or self.watchdog.running or checking
+        return clients or self.room.open or self.watchdog.running  # (open: the eviction check)
 
     def check_not_holding(self, key: str, name: str) -> None:
         """Raise ``RuntimeError`` if the current task is inside a block or a guard of the
@@ -252,10 +249,8 @@ class Companion:
         may delete a held lease's key to free memory, and another client can then take
         the lock. Skipped quietly where ``CONFIG`` is not allowed or fails.
         """
-        if self._eviction_check is None:
-            self._eviction_check = self.loop.create_task(
-                _warn_if_evicting(self.client), name="asynclock-eviction-check"
-            )
+        if self._eviction_check is None:  # (work of the room's: its aclose cancels it first)
+            self._eviction_check = self.room.in_background(_warn_if_evicting(self.client))
 
     def forget(self) -> None:
         """This companion's loop has closed: disconnect its own connections without that
@@ -275,18 +270,12 @@ class Companion:
         """
         if self._users:
             return
-        check = self._eviction_check
-        if check is not None and not check.done():
-            check.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await check
-            if self._users:
-                return  # a lease came meanwhile: its schedule must stay
         # The room first: work in its background (giving back a key granted to a waiter
-        # that left) runs on the lane or the overflow pool, and must end before they close.
+        # that left, and the eviction check) runs on the lane, the overflow pool or the
+        # client, and must end before they close.
         await self.room.aclose()  # (it stays open while anyone waits)
         if self._users:
-            return
+            return  # a lease came meanwhile: its schedule must stay
         await self.watchdog.aclose()
         await self.lane.aclose()
         clients = [c for c in (self._renewer, self._overflow) if c is not None]

@@ -250,7 +250,8 @@ class WaitingRoom:
         self._deferred[channel] = loop.call_later(_YIELD, self._wake_deferred, channel)
 
     def in_background(self, work: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
-        """Run ``work`` as a task of this room's, cancelled if the room is closed first."""
+        """Run ``work`` as a task of this room's, cancelled if the room is closed first
+        (the companion's work in passing too: its eviction check)."""
         task = asyncio.get_running_loop().create_task(work, name="asynclock-background")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
