@@ -249,12 +249,8 @@ class Watchdog:
             # say): the outcome is unknown, and no lease may be left unwatched.
             self._retry_all(batch, TimeoutError("renewal cancelled"))
             return
-        except (RedisError, OSError, TimeoutError) as exc:
-            if is_refusal(exc):  # (SCRIPT LOAD refused by the ACL: a configuration error)
-                for lease in batch:
-                    _refused(lease, exc)
-            else:  # an unknown outcome
-                self._retry_all(batch, exc)
+        except (RedisError, OSError, TimeoutError) as exc:  # (or SCRIPT LOAD refused: _retry)
+            self._retry_all(batch, exc)
             return
         except BaseException as exc:  # a bug: never silence, never leave a lease unwatched
             for lease in batch:
@@ -294,10 +290,7 @@ class Watchdog:
         if isinstance(reply, AskError) and lease.moved(reply):
             return False  # (MOVED too: its slot is elsewhere now, renewed there at once)
         if isinstance(reply, BaseException):
-            if is_refusal(reply):
-                _refused(lease, reply)
-            else:
-                self._retry(lease, reply)
+            self._retry(lease, reply)  # (or refused: see _retry)
             return False
         if reply != 1:
             lease.found_not_ours()
@@ -373,7 +366,8 @@ class Watchdog:
         self._timeline.add(due, leases)
 
     def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
-        """The batch failed as a whole: every lease of it tries again (see ``_retry``)."""
+        """The batch failed as a whole: every lease of it tries again, or is refused
+        (see ``_retry``)."""
         for lease in batch:
             try:
                 self._retry(lease, error)
@@ -382,7 +376,11 @@ class Watchdog:
 
     def _retry(self, lease: Watched, error: BaseException) -> None:
         """The outcome is unknown: SUSPECT, and try again shortly while time remains; with
-        no time left for a retry, wait for the deadline itself."""
+        no time left for a retry, wait for the deadline itself. A refusal by the server's
+        ACL (a configuration error) is not retried: lost at once (see ``_refused``)."""
+        if is_refusal(error):
+            _refused(lease, error)
+            return
         if not lease.active:
             return
         now = self._loop.time()
