@@ -215,8 +215,7 @@ class Watchdog:
             lease.watch(lease.deadline)
             timeline.push(lease.deadline, [lease])
         timeline.rearm(now)
-        if batch:
-            self._launch_split(batch)
+        self._launch_split(batch)  # (if any)
 
     def _launch_split(self, batch: list[Watched]) -> None:
         """Send ``batch``: those waiting for replicas travel apart (WAIT holds its
