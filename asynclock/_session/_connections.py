@@ -208,10 +208,9 @@ class Companion:
         """A client of asynclock's own (``renewer``, ``overflow``): a new ``pool_class``
         pool of this client's connection settings, updated with ``extra``, and redis-py's
         retries off; marked sharded as its client is (see ``_redis._cluster``)."""
-        family = self.family
-        settings = {**self.settings, **extra, "retry": family.no_retry()}
+        settings = {**self.settings, **extra, "retry": self.family.no_retry()}
         pool = pool_class(connection_class=self.connection_class, **settings)
-        client: Redis = family.client.from_pool(pool)
+        client: Redis = self.family.client.from_pool(pool)
         if self.sharded:
             mark_sharded(client)
         return client

@@ -304,9 +304,8 @@ class WaitingRoom:
     async def _command(self, command: str, names: list[str]) -> None:
         """Send SUBSCRIBE or UNSUBSCRIBE for the channels ``names``: none of them counts
         as subscribed again until the replies to every such command sent so far are in."""
-        inflight = self._inflight
         for name in names:
-            inflight[name] = inflight.get(name, 0) + 1
+            self._inflight[name] = self._inflight.get(name, 0) + 1
         # Sharded, one lock's pair per command (one slot: see _both); else all in one.
         step = 2 if self._sharded else len(names)  # (never empty)
         with connection_errors():  # (a dropped connection, on some Pythons: _compat)
@@ -413,8 +412,7 @@ class WaitingRoom:
 
     def _both(self, channels: Iterable[str]) -> list[str]:
         """The channels to subscribe to for locks' ``channels``: each, and our grants'."""
-        grants = self._grants
-        return [name for channel in channels for name in (channel, channel + grants)]
+        return [name for channel in channels for name in (channel, channel + self._grants)]
 
     def _dispatch(self, reply: object) -> bool:
         """Act on one message of the subscription; returns whether it was a grant or

@@ -313,8 +313,7 @@ class Watchdog:
         ``min_replicas``; else 0; -1 for no answer or an error reply). Raises on a
         connection error, or TimeoutError at the batch's earliest deadline (or ttl/3
         after sending, if sooner)."""
-        loop = self._loop
-        t_send = loop.time()
+        t_send = self._loop.time()
         earliest = min(lease.deadline for lease in batch)
         limit_at = min(earliest, t_send + min(lease.options.ttl for lease in batch) / 3)
         client = self._renewer()
@@ -347,7 +346,7 @@ class Watchdog:
                 with connection_errors():  # (a dropped connection, on some Pythons)
                     for source in {lease.renew_script.source: None for lease in batch}:
                         await client.script_load(source)
-                t_send = loop.time()
+                t_send = self._loop.time()
                 replies = await exchange(client, packed, count)
         for index in reversed(asked):
             del replies[index]
