@@ -95,9 +95,8 @@ class WaitingRoom:
         (``SSUBSCRIBE``, one lock's channels per command: they share its slot)."""
         self._connection_class = connection_class
         self._sharded = sharded
-        self._subscribe, self._unsubscribe = (
-            ("SSUBSCRIBE", "SUNSUBSCRIBE") if sharded else ("SUBSCRIBE", "UNSUBSCRIBE")
-        )
+        self._subscribe = "SSUBSCRIBE" if sharded else "SUBSCRIBE"
+        self._unsubscribe = "SUNSUBSCRIBE" if sharded else "UNSUBSCRIBE"
         # The listener reads RESP2 bytes and blocks without a socket timeout.
         self._settings = {**settings, "decode_responses": False, "socket_timeout": None}
         # Channel names come back as the bytes our connection encoded them to.

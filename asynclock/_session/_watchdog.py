@@ -452,7 +452,6 @@ class _InFlight:
             return
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
 
 
 class _Timeline:
