@@ -233,6 +233,15 @@ async def test_a_waiter_refused_for_a_semaphore_of_the_name_leaves_the_queue(
         asynclock.acquire(client, "conflict", ttl=5, fair=True, prefix=prefix)
     )
     await wait_until(lambda: _counted(client, queue, 1), what="queued")
+    # Right after one of the waiter's attempts (its liveness renewed), so that its next
+    # one (FAIR_PATIENCE / 2 later) cannot come between the delete and the permit.
+    alive = queue + ":alive"
+    before = await client.hgetall(alive)
+
+    async def attempted() -> bool:
+        return bool(await client.hgetall(alive) != before)
+
+    await wait_until(attempted, what="the waiter's next attempt")
     await client.delete(key)
     permit = await asynclock.acquire(client, "conflict", limit=2, prefix=prefix)
     try:
