@@ -110,10 +110,18 @@ def test_ctrl_c_kills_the_workers_and_the_server() -> None:
     lock_name = f"demo-test-{uuid.uuid4().hex[:12]}"
     proc = _demo("--seconds", "30", "--name", lock_name)
     try:
-        time.sleep(3.0)  # the workers are up and taking turns
-        assert proc.poll() is None
+        # The workers are up and taking turns: a lease was acquired (read as it comes;
+        # a loaded machine may take seconds to start them).
+        assert proc.stdout is not None
+        seen: list[str] = []
+        for line in proc.stdout:
+            seen.append(line)
+            if " acquired " in line:
+                break
+        assert proc.poll() is None, "".join(seen)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        rest, err = proc.communicate(timeout=30)
+        out = "".join(seen) + rest
     finally:
         proc.kill()
         proc.wait()
