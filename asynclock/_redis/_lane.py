@@ -102,7 +102,7 @@ class Lane:
         """A client of a cluster node: scripts publish with ``SPUBLISH``."""
         self.home: tuple[str, int] | None = None
         """Where the lane's connections must lead (host, port), once known (a Sentinel
-        client's primary, see ``_session._sentinel``): one coming back from a call that
+        client's primary, see ``_session._connections``): one coming back from a call that
         leads elsewhere is closed, to reconnect there at its next use."""
         self._loop = loop
         self._idle: list[tuple[Any, float | None]] = []  # (connection, its socket timeout)

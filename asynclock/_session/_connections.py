@@ -11,27 +11,45 @@ that queues instead of failing when the caller's pool is exhausted.
 One :class:`Companion` exists per user client and event loop. It is in use while any lease
 or waiter of that client is alive; when the last one leaves, its connections are closed,
 so nothing is left open when the application closes its client.
+
+Sentinel: renewals follow the primary the sentinels name, at every batch. A Sentinel
+client's connections ask the sentinels where the primary is only when they connect, and
+redis-py reconnects one only when the server it reaches answers ``READONLY``, that is once
+the old primary has been turned into a replica. Between the promotion of a replica and
+that demotion (up to about ten seconds: a sentinel reconfigures the old primary when it
+next reads its ``INFO``, and never if it cannot reach it), the old primary still accepts
+writes. Renewals sent there are lost with it, while the copy of the key on the new
+primary runs out: a lease held across a failover was lost at its deadline, or, once the
+key there had expired, found not ours.
+
+So before each batch of renewals of a Sentinel client (one query per batch, every ttl/3,
+not one per lease), ``Companion._follow_primary`` asks the sentinels where the primary is,
+and closes every connection that still reaches another server: asynclock's own pools',
+the wake-up subscription, the lane's idle ones and the caller's pool's idle ones. Each
+reconnects through the sentinels at its next use, to the primary they name. The lane
+also learns that address, and closes a connection that was busy meanwhile as it comes
+back, so acquires and releases follow as well.
+The query gets at most half of the batch's time; if no sentinel answers in time, the
+renewal goes where its connection already is, as it did before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from functools import partial
 from typing import Any
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.exceptions import RedisError
 
 from .._base._shield import finish
 from .._redis._cluster import cluster_of, holding_of, is_sharded, mark_sharded
 from .._redis._compat import fit_settings
-from .._redis._lane import Lane
-from .._redis._leftovers import forget_closed_loops
+from .._redis._lane import Lane, reaches_another
+from .._redis._leftovers import forget_closed_loops, idle_connections, pool_connections
 from .._redis._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
-from .._redis._valkey import family_of, sentinel_classes
-from ._sentinel import follow_primary, sentinel_primary_pool
+from .._redis._valkey import family_of, sentinel_classes, valkey_errors
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
 
@@ -83,6 +101,7 @@ def connection_settings(client: Redis) -> tuple[type[Any], dict[str, Any]]:
 
 
 _OVERFLOW_CONNECTIONS = 32
+_UNANSWERED: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 _ORPHAN_LIMIT = 1.0  # seconds allowed to give back a key granted to a waiter that left
 _ORPHAN_TOMBSTONE_MS = 10_000
 
@@ -118,9 +137,9 @@ class Companion:
         """The hot path for acquires and releases, on connections of the caller's pool."""
         self._renewer: Redis | None = None
         self._overflow: Redis | None = None
-        sentinel = sentinel_primary_pool(client)
-        locate = None if sentinel is None else partial(self._follow_primary, sentinel)
-        self.watchdog = Watchdog(loop, self.renewer, locate)
+        pool = client.connection_pool  # (a Sentinel pool of a primary: master_for)
+        sentinel = isinstance(pool, sentinel_classes()[0]) and pool.is_master
+        self.watchdog = Watchdog(loop, self.renewer, self._follow_primary if sentinel else None)
         self._users = 0
         self._eviction_check: asyncio.Task[object] | None = None  # (in the room's background)
         # (lease key, task) -> how many blocks and guards of that lock the task is in: a
@@ -187,9 +206,33 @@ class Companion:
             self._renewer = self._own_client(self.family.pool, socket_timeout=None)
         return self._renewer
 
-    async def _follow_primary(self, pool: SentinelConnectionPool, deadline: float) -> None:
-        own = (self._renewer, self._overflow)
-        await follow_primary(pool, deadline, self.lane, own, self.room.connection)
+    async def _follow_primary(self, deadline: float) -> None:
+        """A Sentinel client's renewals follow the primary (see the design note): ask the
+        sentinels where it is (until loop time ``deadline``) and close every connection
+        that reaches another server (the waiting room's subscription reconnects and
+        subscribes again by itself; the lane, told, closes a busy one as it comes back).
+        Never raises but a cancellation: a sentinel that does not answer leaves every
+        connection as it is, and a connection that fails to close is left to fail at its
+        next use."""
+        pool = self.client.connection_pool
+        try:
+            async with asyncio.timeout_at(deadline):
+                address: tuple[str, int] = await pool.get_master_address()  # type: ignore[attr-defined]
+        except _UNANSWERED + valkey_errors() as exc:
+            log.debug("no sentinel said where the primary is: %r", exc)
+            return
+        home = self.lane.home = (address[0], int(address[1]))
+        # (a subscription that is None, or not connected, is passed over: reaches_another)
+        connections = [self.room.connection, *self.lane.idle_connections(), *idle_connections(pool)]
+        for client in (self._renewer, self._overflow):
+            if client is not None:
+                connections += pool_connections(client.connection_pool)
+        for connection in connections:
+            if reaches_another(connection, home):
+                try:
+                    await connection.disconnect(nowait=True)
+                except Exception as exc:  # (it fails again at its next use, and reconnects)
+                    log.debug("closing a connection to the old primary: %r", exc)
 
     def overflow(self) -> Redis:
         """A small pool that waits for a free connection (created on first use, retries off).

@@ -143,7 +143,7 @@ class Watchdog:
     ) -> None:
         """``renewer`` gives the client renewals travel on; ``locate``, if given, runs
         before each batch is sent, until the loop time it is given (a Sentinel client's
-        renewals follow the primary: see ``_sentinel``)."""
+        renewals follow the primary: see ``_connections``)."""
         self._loop = loop
         self._renewer = renewer
         self._locate = locate
