@@ -106,9 +106,9 @@ async def test_a_group_is_split_at_the_batch_limit_and_each_lease_sent_once(
         assert all(lease.due is None for lease in live)  # in flight, off the timeline
         assert stale.due == base + 0.5
         assert ended.deadlines == 0
-        assert dog._timeline.entries == []
+        assert dog._timeline == []
     finally:
-        dog._timeline.cancel()
+        dog._cancel_timeline()
 
 
 async def test_deadlines_are_declared_at_their_time_never_before(batches: list[list[str]]):
@@ -128,7 +128,7 @@ async def test_deadlines_are_declared_at_their_time_never_before(batches: list[l
         assert batches == [["due"]]  # renewed early, within the window
         assert soon.deadlines == 0  # its deadline has not come: put back, not renewed
         assert soon.due is soon.deadline
-        assert [entry[0] for entry in dog._timeline.entries] == [soon.deadline]
+        assert [entry[0] for entry in dog._timeline] == [soon.deadline]
         dog._fire(base + 0.019)
         await settle()
         assert soon.deadlines == 0
@@ -137,9 +137,9 @@ async def test_deadlines_are_declared_at_their_time_never_before(batches: list[l
         await settle()
         assert soon.deadlines == 1
         assert batches == [["due"]]
-        assert dog._timeline.entries == []
+        assert dog._timeline == []
     finally:
-        dog._timeline.cancel()
+        dog._cancel_timeline()
 
 
 async def test_a_lease_whose_handling_raises_is_failed_and_the_others_go_on(
@@ -170,6 +170,6 @@ async def test_a_lease_whose_handling_raises_is_failed_and_the_others_go_on(
         await REAL_RENEW(dog, cast(Any, renewed))
         assert len(renewed[1].failed) == 1
         assert renewed[0].due == renewed[2].due == base + 1.0  # due again at ttl/3
-        assert [entry[2] for entry in dog._timeline.entries] == [[renewed[0], renewed[2]]]
+        assert [entry[2] for entry in dog._timeline] == [[renewed[0], renewed[2]]]
     finally:
-        dog._timeline.cancel()
+        dog._cancel_timeline()

@@ -147,7 +147,12 @@ class Watchdog:
         self._loop = loop
         self._renewer = renewer
         self._locate = locate
-        self._timeline = _Timeline(loop, self._fire)
+        # The timeline: a heap of (loop time, tie-breaker, leases due then), with one loop
+        # timer (due at _at) for its earliest entry.
+        self._timeline: list[tuple[float, int, list[Watched]]] = []
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf
         self._batches: set[asyncio.Task[None]] = set()
         self._closing = False  # set while aclose() cancels the batches in flight
 
@@ -162,12 +167,14 @@ class Watchdog:
         self._schedule_group([lease], due)
 
     def idle(self) -> None:
-        """No lease of the client is held any more: forget every schedule."""
+        """No lease of the client is held any more: forget every schedule. The timer stays
+        armed (it finds nothing to do), so a client that takes short leases one after
+        another arms no timer per lease."""
         self._timeline.clear()
 
     async def aclose(self) -> None:
         """Stop renewing and wait for renewals in flight to be cancelled."""
-        self._timeline.cancel()
+        self._cancel_timeline()
         batches = list(self._batches)
         self._closing = True
         try:
@@ -183,22 +190,21 @@ class Watchdog:
         """The earliest entry is due: send every renewal due within the window, and
         declare lost every lease whose deadline has come."""
         timeline = self._timeline
-        entries = timeline.entries
         batch: list[Watched] = []
         early: list[Watched] = []  # deadline checks that came up a hair before the deadline
         window = 0.0
-        while entries and len(batch) < _BATCH:
-            due, _, group = entries[0]
+        while timeline and len(batch) < _BATCH:
+            due, _, group = timeline[0]
             if not batch:
                 window = min(_WINDOW, group[0].options.ttl / 30)  # (a group shares one ttl)
             if due > now + window:
                 break
-            heapq.heappop(entries)
+            heapq.heappop(timeline)
             for i, lease in enumerate(group):
                 if lease.due is not due or not lease.active:
                     continue  # rescheduled since, or ended (the lease's own float marks it)
                 if len(batch) >= _BATCH:
-                    timeline.push(due, group[i:])  # the rest goes in the next batch
+                    self._push(due, group[i:])  # the rest goes in the next batch
                     break
                 lease.watch(None)
                 try:
@@ -213,8 +219,9 @@ class Watchdog:
                     _failed(lease, exc)
         for lease in early:
             lease.watch(lease.deadline)
-            timeline.push(lease.deadline, [lease])
-        timeline.rearm(now)
+            self._push(lease.deadline, [lease])
+        if timeline:
+            self._arm(max(timeline[0][0], now))
         self._launch_split(batch)  # (if any)
 
     def _launch_split(self, batch: list[Watched]) -> None:
@@ -361,7 +368,29 @@ class Watchdog:
     def _schedule_group(self, leases: list[Watched], due: float) -> None:
         for lease in leases:
             lease.watch(due)
-        self._timeline.add(due, leases)
+        self._push(due, leases)
+        if due < self._at:
+            self._arm(due)
+
+    def _push(self, due: float, leases: list[Watched]) -> None:
+        """Put ``leases`` on the timeline at ``due``, without arming its timer (``_fire``
+        re-arms it when it is done)."""
+        heapq.heappush(self._timeline, (due, next(self._order), leases))
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = self._loop.call_at(at, self._tick), at
+
+    def _tick(self) -> None:
+        self._timer, self._at = None, math.inf
+        self._fire(self._loop.time())
+
+    def _cancel_timeline(self) -> None:
+        self._timeline.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = None, math.inf
 
     def _retry_all(self, batch: list[Watched], error: BaseException) -> None:
         """The batch failed as a whole: every lease of it tries again, or is refused
@@ -452,51 +481,3 @@ class _InFlight:
             return
         if self._timer is not None:
             self._timer.cancel()
-
-
-class _Timeline:
-    """A heap of (loop time, tie-breaker, leases due then) with one loop timer for its
-    earliest entry."""
-
-    __slots__ = ("_at", "_callback", "_loop", "_order", "_timer", "entries")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[float], None]) -> None:
-        self._loop = loop
-        self._callback = callback
-        self._timer: asyncio.TimerHandle | None = None
-        self._at = math.inf
-        self._order = itertools.count()
-        self.entries: list[tuple[float, int, list[Watched]]] = []
-
-    def add(self, at: float, leases: list[Watched]) -> None:
-        heapq.heappush(self.entries, (at, next(self._order), leases))
-        if at < self._at:
-            self._arm(at)
-
-    def push(self, at: float, leases: list[Watched]) -> None:
-        """Add without arming (the callback re-arms when it is done)."""
-        heapq.heappush(self.entries, (at, next(self._order), leases))
-
-    def rearm(self, now: float) -> None:
-        if self.entries:
-            self._arm(max(self.entries[0][0], now))
-
-    def clear(self) -> None:
-        """Forget every entry. The timer stays armed (it finds nothing to do), so a
-        client that takes short leases one after another arms no timer per lease."""
-        self.entries.clear()
-
-    def cancel(self) -> None:
-        self.entries.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._at = None, math.inf
-
-    def _arm(self, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._at = self._loop.call_at(at, self._run), at
-
-    def _run(self) -> None:
-        self._timer, self._at = None, math.inf
-        self._callback(self._loop.time())
