@@ -120,7 +120,9 @@ class WaitingRoom:
         self._confirmed: set[str] = set()
         self._pending: dict[str, asyncio.Future[bool]] = {}
         self._healthy = False
-        self._heard = -math.inf  # loop time the subscription connection last answered
+        # loop time the subscription connection last answered (set, like _confirmed, only
+        # by a reply read: every channel confirmed was confirmed by a reply heard since)
+        self._heard = -math.inf
         self._starting = asyncio.Lock()
         self._subscribed: set[str] = set()  # locks' channels sent SUBSCRIBE (both) and
         # not UNSUBSCRIBE
@@ -335,13 +337,11 @@ class WaitingRoom:
         backoff = 0.05
         loop = asyncio.get_running_loop()
         pinged = False
-        self._heard = loop.time()
         while True:
             try:
                 with connection_errors():  # (a dropped connection: _compat)
                     if not self._healthy:
                         await self.connection.connect()
-                        self._heard = loop.time()
                         pinged = False
                         if self._subscribed:
                             await self._command(self._subscribe, self._both(self._subscribed))
