@@ -43,7 +43,6 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, MaxConnectionsError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from .._base._options import is_cluster
 from ._cluster import is_sharded
 from ._compat import as_connection_error, as_max_connections_error, exhausted, get_connection
 from ._valkey import as_redis_error, valkey_errors
@@ -70,29 +69,11 @@ def encoding_in(settings: Mapping[str, Any]) -> tuple[str, str]:
 
 def encoding_of(client: Redis | RedisCluster) -> tuple[str, str]:
     """The encoding and error handler ``client``'s connections use for arguments."""
-    if is_cluster(client):
-        return encoding_in(client.get_connection_kwargs())
-    return encoding_in(client.connection_pool.connection_kwargs)
+    return encoding_in(client.get_connection_kwargs())
 
 
 class Lane:
     """Connections borrowed from one client's pool for the hot path; see the design note."""
-
-    __slots__ = (
-        "_bounds",
-        "_closing",
-        "_held",
-        "_idle",
-        "_keeper",
-        "_loop",
-        "_size",
-        "_timer",
-        "_used",
-        "client",
-        "encoding",
-        "home",
-        "sharded",
-    )
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client

@@ -112,17 +112,6 @@ class Family:
     client is from (redis-py or valkey-py): a pool of one library's connections must be
     of the same library. The command line makes its clients from them too."""
 
-    __slots__ = (
-        "_root",
-        "blocking_pool",
-        "client",
-        "cluster",
-        "parse_url",
-        "pool",
-        "sentinel_connection",
-        "sentinel_pool",
-    )
-
     def __init__(self, root: str) -> None:
         asyncio_ = importlib.import_module(f"{root}.asyncio")
         connection = importlib.import_module(f"{root}.asyncio.connection")
