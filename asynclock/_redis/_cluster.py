@@ -131,8 +131,7 @@ def node_at(cluster: RedisCluster, host: str, port: int) -> Redis | None:
     names it), with no round trip: made like the others if the slot map does not know
     that node yet. None if the cluster client knows no node at all."""
     name = f"{host}:{port}"
-    clients: dict[str, Redis] = getattr(cluster, _NODES, None) or {}
-    client = clients.get(name)
+    client = _nodes(cluster).get(name)
     if client is not None:
         return client
     node = cluster.get_node(node_name=name)
@@ -146,12 +145,14 @@ def node_at(cluster: RedisCluster, host: str, port: int) -> Redis | None:
     return _make(cluster, name, model, settings)
 
 
+def _nodes(cluster: RedisCluster) -> dict[str, Redis]:
+    """The node clients made for ``cluster``, by node name."""
+    clients: dict[str, Redis] = vars(cluster).setdefault(_NODES, {})
+    return clients
+
+
 def _client_of(cluster: RedisCluster, node: Any) -> Redis:
-    clients: dict[str, Redis] = getattr(cluster, _NODES, None) or {}
-    client = clients.get(node.name)
-    if client is None:
-        client = _make(cluster, node.name, node, node.connection_kwargs)
-    return client
+    return _nodes(cluster).get(node.name) or _make(cluster, node.name, node, node.connection_kwargs)
 
 
 def _make(cluster: RedisCluster, name: str, model: Any, settings: dict[str, Any]) -> Redis:
@@ -162,7 +163,7 @@ def _make(cluster: RedisCluster, name: str, model: Any, settings: dict[str, Any]
         connection_class=model.connection_class, max_connections=model.max_connections, **settings
     )
     client: Redis = family.client(connection_pool=pool)
-    vars(cluster).setdefault(_NODES, {})[name] = client
+    _nodes(cluster)[name] = client
     setattr(client, _CLUSTER, weakref.ref(cluster))
     mark_sharded(client)
     return client
