@@ -238,8 +238,7 @@ class Lane:
             raise
         finally:
             self._keeper = None
-            with contextlib.suppress(Exception):
-                await self.aclose()
+            await self.aclose()  # (it raises nothing: each give-back is guarded)
 
     async def aclose(self) -> None:
         """Give every idle connection back to the caller's pool (busy ones go back when

@@ -46,9 +46,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_NONE: Final[tuple[type[BaseException], ...]] = ()
-
-
 _REDIS_ERRORS: Final = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
 
@@ -57,7 +54,7 @@ def valkey_errors() -> tuple[type[BaseException], ...]:
     not one) once valkey-py is imported, else ``()``: for an ``except`` clause, evaluated
     only when an error is matched."""
     module = sys.modules.get("valkey.exceptions")
-    return _NONE if module is None else (module.ValkeyError, module.ValkeyClusterException)
+    return () if module is None else (module.ValkeyError, module.ValkeyClusterException)
 
 
 async def redis_errors(awaitable: Awaitable[T]) -> T:
