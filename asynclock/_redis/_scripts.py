@@ -1046,9 +1046,7 @@ if not other then
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return mine and 1 or 0
 end
-local t = redis.call('TIME')
-local now = {_NOW_MS}
-if member and not mine then
+{_NOW}if member and not mine then
   mine = tonumber(redis.call('ZSCORE', KEYS[1], member))
 end
 if other > now then
