@@ -45,7 +45,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ._cluster import is_sharded
 from ._compat import as_connection_error, as_max_connections_error, exhausted, get_connection
-from ._valkey import as_redis_error, valkey_errors
+from ._valkey import as_redis_error, redis_errors, valkey_errors
 
 __all__ = [
     "Lane",
@@ -202,12 +202,10 @@ class Lane:
 
     async def _borrow(self) -> tuple[Any, float | None]:
         self._held += 1  # counted before the await: a burst takes no more than _size
-        try:
-            connection = await get_connection(self.client.connection_pool)
-        except BaseException as exc:
+        try:  # (a valkey-py pool's error made redis-py's as well: see _valkey)
+            connection = await redis_errors(get_connection(self.client.connection_pool))
+        except BaseException:
             self._held -= 1
-            if isinstance(exc, valkey_errors()):  # (a valkey-py pool's: see _valkey)
-                raise as_redis_error(exc) from exc.__cause__
             raise
         timeout = connection.socket_timeout
         connection.socket_timeout = None  # our own bound replaces it (see the design note)

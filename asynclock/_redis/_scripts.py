@@ -158,8 +158,6 @@ _SPUBLISH: Final = "redis.call('SPUBLISH', "
 class Script:
     """A Lua script run by SHA1 with a transparent fallback to its source on NOSCRIPT."""
 
-    __slots__ = ("name", "sha", "sharded", "source")
-
     def __init__(self, name: str, source: str) -> None:
         self.name = name
         self.source = source

@@ -59,7 +59,8 @@ def valkey_errors() -> tuple[type[BaseException], ...]:
 
 async def redis_errors(awaitable: Awaitable[T]) -> T:
     """``await awaitable``, a valkey-py error it raises as :func:`as_redis_error` makes it
-    (a call on a client itself, not through the lane, e.g. a cluster's slot map)."""
+    (a call on a client or a pool itself, not a lane's round trip: a cluster's slot
+    map, a connection the lane borrows)."""
     try:
         return await awaitable
     except valkey_errors() as exc:  # (evaluated only when an error is matched)
