@@ -34,7 +34,7 @@ deadline (loop time) when the acquisition starts.
 A kind supplies only what differs (``Kind``): the script and its keys and arguments, the
 parsing of its reply into a named outcome (``Granted``, ``Busy``, ``Refused``), the pause
 before trying again unprompted, its undo script, and how its waiters take turns
-(``Turn``): all at each wake-up (``Crowd``), or the head of the client's line (``Line``,
+(``Turn``): all at each wake-up (the base), or the head of the client's line (``Line``,
 whose first waiter tries before taking a place in it); for the plain lock, a line whose
 head may also be handed the lock by a releaser (``_mutex.HandOverLine``).
 """
@@ -62,7 +62,6 @@ from ._hold import Hold, of_lock
 
 __all__ = [
     "Busy",
-    "Crowd",
     "Granted",
     "Kind",
     "Line",
@@ -187,15 +186,20 @@ class Request(NamedTuple):
 
 
 class Turn:
-    """When a waiter of one client may try, and how it leaves (the base: always).
-    ``event`` wakes it, from ``take_place`` on (set then: it tries at once)."""
+    """When a waiter of one client may try, and how it leaves; the base: every waiter of
+    the client tries at each wake-up (shared and fair leases), listening to ``channel``
+    in ``room``. ``event`` wakes it, from ``take_place`` on (set then: it tries at once)."""
 
-    __slots__ = ("event",)
+    __slots__ = ("_channel", "_room", "event")
 
     waiter: Waiter | None = None
     """Our place in the client's line, once taken (lines only)."""
 
     event: asyncio.Event
+
+    def __init__(self, room: WaitingRoom, channel: str) -> None:
+        self._room = room
+        self._channel = channel
 
     def first_alone(self) -> bool:
         """Whether to try once before taking a place (nobody of ours waits)."""
@@ -203,6 +207,9 @@ class Turn:
 
     def take_place(self) -> None:
         """Start waiting (in the line, or as a listener)."""
+        self.event = asyncio.Event()
+        self.event.set()  # (tries at once)
+        self._room.listen(self._channel, self.event)
 
     def mine(self) -> bool:
         """Whether it is our turn to try when woken."""
@@ -221,23 +228,6 @@ class Turn:
     async def leave(self, granted: bool, quietly: bool) -> None:
         """Stop waiting; ``granted``: we took the lock; ``quietly``: our caller returns
         at once (timed out, or refused), so what can wait goes on in the background."""
-
-
-class Crowd(Turn):
-    """Every waiter of the client tries at each wake-up (shared and fair leases)."""
-
-    __slots__ = ("_channel", "_room")
-
-    def __init__(self, room: WaitingRoom, channel: str) -> None:
-        self._room = room
-        self._channel = channel
-
-    def take_place(self) -> None:
-        self.event = asyncio.Event()
-        self.event.set()  # (tries at once)
-        self._room.listen(self._channel, self.event)
-
-    async def leave(self, granted: bool, quietly: bool) -> None:
         self._room.unlisten(self._channel, self.event)
 
 
@@ -247,11 +237,10 @@ class Line(Turn):
     once (concurrent acquires take free permits side by side, not one round trip after
     another behind the head)."""
 
-    __slots__ = ("_channel", "_options", "_room", "_token", "waiter")
+    __slots__ = ("_options", "_token", "waiter")
 
     def __init__(self, room: WaitingRoom, token: str, options: LeaseOptions):
-        self._room = room
-        self._channel = options.channel
+        super().__init__(room, options.channel)
         self._token = token
         self._options = options
         self.waiter = None
@@ -290,7 +279,7 @@ class Kind:
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         """How this acquisition's waits take turns in ``room``."""
-        return Crowd(room, self._options.channel)
+        return Turn(room, self._options.channel)
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """The acquire script for ``token``; ``turn``: part of a blocking wait."""
