@@ -403,9 +403,7 @@ class _Acquisition:
         if turn.first_alone():
             # Try before taking a place in the line (the uncontended case costs no line
             # bookkeeping): a usable grant, or the busy reply to act on once in line.
-            outcome = None
-            while outcome is None:  # (a grant too late to use is refreshed at once)
-                outcome = await self._try(turn, deadline)
+            outcome = await self._try(turn, deadline)
             if isinstance(outcome, Granted):
                 return outcome
             busy = outcome
@@ -446,9 +444,6 @@ class _Acquisition:
                     outcome = await self._try(turn, deadline)
                     if isinstance(outcome, Granted):
                         return outcome
-                    if outcome is None:
-                        turn.event.set()  # granted too late to use: refresh it at once
-                        continue
                     busy = outcome
                 held_ms = busy.pttl_ms
                 # (the pause counts from the reply: a subscription that took its bound
@@ -472,15 +467,15 @@ class _Acquisition:
             except TimeoutError:
                 turn.event.set()  # the holder's time is up about now: try again
 
-    async def _try(self, turn: Turn, deadline: float | None) -> Granted | Busy | None:
-        """One attempt of a wait: a usable grant, a busy reply, or None for a grant
-        answered too late to use (to be refreshed; past the deadline, Redis is slow)."""
-        outcome = await self._attempt(deadline, turn)
-        if isinstance(outcome, Busy) or self._usable(outcome.t_send):
-            return outcome
-        if deadline is not None and self._loop.time() >= deadline:
-            raise timed_out(self._options, "Redis is slow: the last grant came too late to use")
-        return None
+    async def _try(self, turn: Turn, deadline: float | None) -> Granted | Busy:
+        """An attempt of a wait: a usable grant or a busy reply; a grant answered too late
+        to use is refreshed at once by another (past the deadline, Redis is slow)."""
+        while True:
+            outcome = await self._attempt(deadline, turn)
+            if isinstance(outcome, Busy) or self._usable(outcome.t_send):
+                return outcome
+            if deadline is not None and self._loop.time() >= deadline:
+                raise timed_out(self._options, "Redis is slow: the last grant came too late to use")
 
     def _usable(self, t_send: float) -> bool:
         """Whether a hold taken by an attempt sent at ``t_send`` leaves at least a third
