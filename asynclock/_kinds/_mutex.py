@@ -114,15 +114,14 @@ result not stored."""
 class Mutex(Kind):
     """The plain lock (``job``: a job of ``once()``, whose result the attempt reads)."""
 
-    __slots__ = ("_companion", "_job", "_offering", "_on_success", "_token")
+    __slots__ = ("_companion", "_job", "_offering", "_on_success")
 
     def __init__(self, options: LeaseOptions, companion: Companion, job: Job | None) -> None:
         self._options = options  # (Kind's, set here: one call less on the hot path)
         self._companion = companion
         self._job = job
-        self._token = ""
         self._on_success = ""  # what the last attempt asked of our registration
-        self._offering = False  # whether the last attempt offers our token for a grant
+        self._offering: Waiter | None = None  # whose token the last attempt offers, if any
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         return HandOverLine(self._companion, self._options, token)
@@ -163,19 +162,17 @@ class Mutex(Kind):
         # attempt finds the key holding its own token and takes it. (Concurrent first
         # attempts, made before joining the line, are not heads: the one that joins
         # second would wait, never trying, and the key granted to it with it.)
-        self._offering = (
-            waiter is not None and room.is_head(channel, waiter) and room.listening(channel)
-        )
-        if self._offering and waiter is not None:
+        self._offering = None
+        if waiter is not None and room.is_head(channel, waiter) and room.listening(channel):
+            self._offering = waiter  # (its token is ours)
             waiter.exposed = True  # (from the first send on, a grant may land)
-        self._token = token
         self._on_success = on_success
         return Request(ACQUIRE_JOB if job is not None else ACQUIRE, keys, args)
 
     def sending(self, request: Request, t_send: float) -> None:
         """An offering attempt's lease counts from its send time, carried in the offer."""
-        if self._offering:
-            self._companion.room.in_use.add(self._token)  # (until it failed or ended)
+        if self._offering is not None:
+            self._companion.room.in_use.add(self._offering.token)  # (until it failed or ended)
             request.args[6] = repr(t_send)
 
     def parse(self, reply: object, t_send: float, waiting: bool) -> Granted | Busy | Refused:
