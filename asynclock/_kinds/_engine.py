@@ -508,8 +508,7 @@ class _Acquisition:
         task = asyncio.current_task()  # (once: on Python 3.11 each lookup costs ~0.3 µs)
         before = task.cancelling() if task is not None else 0
         client = self._companion.lane
-        retried = False
-        while True:
+        for retried in (False, True):  # (sent once more after an unknown outcome)
             script, keys, args = request
             t_send = self._loop.time()
             kind.sending(request, t_send)
@@ -529,7 +528,6 @@ class _Acquisition:
                     raise timed_out(self._options, "Redis did not answer") from exc
                 if retried:
                     raise
-                retried = True
                 request = kind.again(request)
             except ResponseError as exc:
                 if isinstance(exc, OutOfMemoryError):
