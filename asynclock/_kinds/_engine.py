@@ -421,7 +421,6 @@ class _Acquisition:
     async def _in_turn(self, turn: Turn, deadline: float | None, busy: Busy | None) -> Granted:
         """Wait in turn until an attempt (or a releaser) gives us the lock."""
         options = self._options
-        room = self._companion.room
         subscribed = False
         held_ms = None if busy is None else busy.pttl_ms  # the last busy reply's word
         while True:
@@ -452,7 +451,7 @@ class _Acquisition:
                 busy = None  # (acted on)
                 if not subscribed:
                     subscribed = True
-                    if await room.subscribe(options.channel, deadline):
+                    if await self._companion.room.subscribe(options.channel, deadline):
                         turn.event.set()  # subscribed first, now try again
                         continue
                 wait = max(0.0, resume - self._loop.time())
