@@ -281,10 +281,6 @@ class LeaseOptions:
             redlock_blocking=(self.blocking, self.blocking_timeout),
         )
 
-    def for_reader(self, token: str) -> LeaseOptions:
-        """These options for a shared lease held with ``token`` (its key: the readers')."""
-        return replace(self, reader=token)
-
     def permit(self, slot: int) -> LeaseOptions:
         """These options for a permit held in ``slot`` (its own key; cached)."""
         return _permit(self, slot)

@@ -11,7 +11,7 @@ lease and the watchdog ask it, and never branch on the kind.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .._base._options import LeaseOptions
 from .._redis._scripts import (
@@ -73,7 +73,7 @@ def of_permit(options: LeaseOptions, slot: int) -> Hold:
 def of_reader(options: LeaseOptions, token: str) -> Hold:
     """A shared lease: its member of the readers' set, and the lock's key (the shared
     marker)."""
-    reader = options.for_reader(token)
+    reader = replace(options, reader=token)  # (its key: the readers' set)
     keys = (options.readers_key, options.base_key)
     return Hold(
         reader, keys, SHARED_RENEW, SHARED_RENEW_HEAD, SHARED_RELEASE, verify=SHARED_IS_OURS
