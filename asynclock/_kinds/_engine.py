@@ -46,7 +46,7 @@ import logging
 import random
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, NamedTuple, cast
 
 from redis.exceptions import MaxConnectionsError, OutOfMemoryError, ResponseError
@@ -335,32 +335,24 @@ async def acquire(companion: Companion, options: LeaseOptions, kind: Kind) -> tu
         Exception: a ``Refused`` outcome's error (``LimitConflict``, a job's outcome).
         redis.exceptions.RedisError: Redis refused or stayed unreachable.
     """
-    return await _Acquisition(companion, options, kind).run()
+    token = secrets.token_hex(16)
+    return await _Acquisition(companion, options, kind, companion.loop, token).run()
 
 
+@dataclass(slots=True, eq=False)
 class _Acquisition:
-    """One acquire: the state of the loop."""
+    """One acquire: the state of the loop (``_loop``: the companion's; ``_token``: the
+    one every attempt of this acquire is made with)."""
 
-    __slots__ = (
-        "_companion",
-        "_kind",
-        "_loop",
-        "_options",
-        "_pending",
-        "_refused",
-        "_token",
-        "_turn",
-    )
-
-    def __init__(self, companion: Companion, options: LeaseOptions, kind: Kind) -> None:
-        self._companion = companion
-        self._options = options
-        self._kind = kind
-        self._loop = companion.loop
-        self._token = secrets.token_hex(16)
-        self._pending = False  # an attempt of ours may have left a hold (or a place)
-        self._refused = False  # the last reply was a Refused outcome
-        self._turn: Turn | None = None  # how we wait, while we do
+    _companion: Companion
+    _options: LeaseOptions
+    _kind: Kind
+    _loop: asyncio.AbstractEventLoop
+    _token: str
+    # an attempt of ours may have left a hold (or a place)
+    _pending: bool = field(default=False, init=False)
+    _refused: bool = field(default=False, init=False)  # the last reply was a Refused outcome
+    _turn: Turn | None = field(default=None, init=False)  # how we wait, while we do
 
     async def run(self) -> tuple[str, Granted]:
         options = self._options
