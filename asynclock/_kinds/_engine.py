@@ -265,6 +265,7 @@ class Line(Turn):
             self._room.leave(self._channel, self.waiter, wake_next=True)
 
 
+@dataclass(slots=True, eq=False)
 class Kind:
     """What a kind of lock supplies to the acquisition loop, for one acquisition with
     ``options`` (the defaults: a kind whose attempt depends on nothing but the token,
@@ -272,10 +273,7 @@ class Kind:
     are those every acquire script shares, which waits until the holder's time is up,
     and whose lease holds the lock's own key)."""
 
-    __slots__ = ("_options",)
-
-    def __init__(self, options: LeaseOptions) -> None:
-        self._options = options
+    _options: LeaseOptions
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         """How this acquisition's waits take turns in ``room``."""

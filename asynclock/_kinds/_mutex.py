@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass, field
 from typing import Final, NamedTuple, cast
 
 from .._base._options import LeaseOptions
@@ -111,17 +112,15 @@ _JOB_REFUSALS: Final[dict[int, type[Exception]]] = {2: JobDone, 3: JobConflict, 
 result not stored."""
 
 
+@dataclass(slots=True, eq=False)
 class Mutex(Kind):
     """The plain lock (``job``: a job of ``once()``, whose result the attempt reads)."""
 
-    __slots__ = ("_companion", "_job", "_offering", "_on_success")
-
-    def __init__(self, options: LeaseOptions, companion: Companion, job: Job | None) -> None:
-        self._options = options  # (Kind's, set here: one call less on the hot path)
-        self._companion = companion
-        self._job = job
-        self._on_success = ""  # what the last attempt asked of our registration
-        self._offering: Waiter | None = None  # whose token the last attempt offers, if any
+    _companion: Companion
+    _job: Job | None
+    # what the last attempt asked of our registration; whose token it offers, if any
+    _on_success: str = field(default="", init=False)
+    _offering: Waiter | None = field(default=None, init=False)
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         return HandOverLine(self._companion, self._options, token)
