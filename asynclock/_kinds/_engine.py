@@ -185,21 +185,21 @@ class Request(NamedTuple):
     args: list[Arg]
 
 
+@dataclass(slots=True, eq=False)
 class Turn:
     """When a waiter of one client may try, and how it leaves; the base: every waiter of
-    the client tries at each wake-up (shared and fair leases), listening to ``channel``
-    in ``room``. ``event`` wakes it, from ``take_place`` on (set then: it tries at once)."""
+    the client tries at each wake-up (shared and fair leases), listening to the lock's
+    channel in ``room``. ``event`` wakes it, from ``take_place`` on (set then: it tries at
+    once); ``waiter`` is our place in the client's line, once taken (lines only)."""
 
-    __slots__ = ("_channel", "_room", "event")
+    _room: WaitingRoom
+    _options: LeaseOptions
+    _channel: str = field(init=False)
+    event: asyncio.Event = field(init=False)
+    waiter: Waiter | None = field(default=None, init=False)
 
-    waiter: Waiter | None = None
-    """Our place in the client's line, once taken (lines only)."""
-
-    event: asyncio.Event
-
-    def __init__(self, room: WaitingRoom, channel: str) -> None:
-        self._room = room
-        self._channel = channel
+    def __post_init__(self) -> None:
+        self._channel = self._options.channel
 
     def first_alone(self) -> bool:
         """Whether to try once before taking a place (nobody of ours waits)."""
@@ -231,19 +231,14 @@ class Turn:
         self._room.unlisten(self._channel, self.event)
 
 
+@dataclass(slots=True, eq=False)
 class Line(Turn):
     """The client's waiters queue in one line; only its head tries (a semaphore's). An
     acquire joins it only after a busy reply: while nobody of ours waits, it tries at
     once (concurrent acquires take free permits side by side, not one round trip after
     another behind the head)."""
 
-    __slots__ = ("_options", "_token", "waiter")
-
-    def __init__(self, room: WaitingRoom, token: str, options: LeaseOptions):
-        super().__init__(room, options.channel)
-        self._token = token
-        self._options = options
-        self.waiter = None
+    _token: str
 
     def take_place(self) -> None:
         options = self._options
@@ -277,7 +272,7 @@ class Kind:
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
         """How this acquisition's waits take turns in ``room``."""
-        return Turn(room, self._options.channel)
+        return Turn(room, self._options)
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """The acquire script for ``token``; ``turn``: part of a blocking wait."""

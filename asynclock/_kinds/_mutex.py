@@ -123,7 +123,7 @@ class Mutex(Kind):
     _offering: Waiter | None = field(default=None, init=False)
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
-        return HandOverLine(self._companion, self._options, token)
+        return HandOverLine(room, self._options, token, self._companion)
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         """ACQUIRE; a waiting attempt (``turn``) registers its client as waiting, and the
@@ -207,16 +207,13 @@ class Mutex(Kind):
         return Request(ABANDON, keys, args)
 
 
+@dataclass(slots=True, eq=False)
 class HandOverLine(Line):
     """The mutex's line: its first waiter tries before taking a place (as every line's
     does), its head may be handed the lock by a releaser, and the line drops its client's
     registration as waiting when it empties."""
 
-    __slots__ = ("_companion",)
-
-    def __init__(self, companion: Companion, options: LeaseOptions, token: str) -> None:
-        super().__init__(companion.room, token, options)
-        self._companion = companion
+    _companion: Companion
 
     def handed(self) -> Granted | None:
         waiter = self.waiter

@@ -44,7 +44,7 @@ class Permits(Kind):
     __slots__ = ()
 
     def turn(self, room: WaitingRoom, token: str) -> Turn:
-        return Line(room, token, self._options)
+        return Line(room, self._options, token)
 
     def attempt(self, token: str, turn: Turn | None) -> Request:
         options = self._options
