@@ -229,8 +229,8 @@ async def _run_once(
         payload, field = cause, "e"
     else:
         field = "v"
-    stored = await tenure.store_and_release(
-        [options.key, job.result_key], [payload, result_ms, digest, field]
+    stored = await tenure.give_back(
+        ([options.key, job.result_key], [payload, result_ms, digest, field])
     )
     if stored is False:
         raise LockLost(key, LossReason.NOT_OWNER, "the result was not stored")

@@ -214,9 +214,15 @@ class Tenure:
         if self.closing and self.state is not LeaseState.LOST:
             raise RuntimeError(f"the lease {self.options.name!r} has been released")
 
-    async def give_back(self, give: Callable[[Tenure], Awaitable[Wake]] = release_lease) -> None:
-        """``Lease.release()``, giving the key back with ``give`` (once(): the result stored
-        with the release)."""
+    async def give_back(self, store: tuple[list[str], list[Arg]] | None = None) -> bool | None:
+        """``Lease.release()``. With ``store`` (a lease of ``once()``: its job's keys and
+        the arguments after the lease's value), the job's result is stored in the same
+        step (the STORE script) unless the lease was lost: returns True if stored, None
+        if that is unknown (Redis did not answer: logged), False otherwise.
+
+        Raises:
+            LockLost: the lease was lost (the key was not ours: nothing was stored).
+        """
         in_flight = sys.exc_info()[1]
         guards = self.guards
         if guards is None:
@@ -226,6 +232,7 @@ class Tenure:
             )
         if guards:
             raise RuntimeError(f"release() of {self.options.name!r} while a guard() of it is open")
+        stored: bool | None = False
         released = self.released
         if released is not None:  # released, or being released, by an earlier call
             await released.wait()  # (bounded: every step of a release is)
@@ -235,7 +242,10 @@ class Tenure:
             wake = Wake.OURS
             try:
                 self.overran("the release")
-                wake = await give(self)
+                if store is None or self.state is LeaseState.LOST:  # (lost: nothing stored)
+                    wake = await release_lease(self)
+                else:
+                    stored = await release_storing(self, *store)
             finally:
                 try:
                     await after_release(self, wake)
@@ -243,26 +253,6 @@ class Tenure:
                     released.set()
         if self.state is LeaseState.LOST:
             self.raise_loss(in_flight, "the code that released it")
-
-    async def store_and_release(self, keys: list[str], args: list[Arg]) -> bool | None:
-        """Release a lease of ``once()`` storing its job's result in the same step (the
-        STORE script). Returns True if stored, None if that is unknown (Redis did not
-        answer: logged). ``release()``'s rules otherwise.
-
-        Raises:
-            LockLost: the key was not ours: nothing was stored.
-        """
-        stored: bool | None = None
-
-        async def give(held: Tenure) -> Wake:
-            nonlocal stored
-            if held.state is LeaseState.LOST:  # (lost: a plain release, nothing stored)
-                stored = False
-                return await release_lease(held)
-            stored = await release_storing(held, keys, args)
-            return Wake.OURS
-
-        await self.give_back(give)
         return stored
 
     def open_guard(self) -> anyio.CancelScope:
