@@ -251,23 +251,20 @@ class RedlockContext:
 
     def __init__(self, acquire: Callable[[], Awaitable[RedlockLease]]) -> None:
         self._acquire = acquire  # (acquire_redlock, its arguments given)
-        self._lock: RedlockLease | None = None
-        self._guard: _Guard | None = None
+        self._guard: _Guard | None = None  # (the block's, over the lock taken)
 
     async def __aenter__(self) -> RedlockLease:
-        if self._lock is not None:
+        if self._guard is not None:
             raise RuntimeError("a lease() context manager can be entered only once")
-        lock = self._lock = await self._acquire()
-        self._guard = lock.guard()
+        self._guard = (await self._acquire()).guard()
         return await self._guard.__aenter__()
 
     async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
-        lock, guard = self._lock, self._guard
-        assert lock is not None
+        guard = self._guard
         assert guard is not None
         try:
             with anyio.CancelScope(shield=True):
-                await lock._give_back()
+                await guard._lock._give_back()
         finally:
             await guard.__aexit__(exc_type, exc, tb)
 
