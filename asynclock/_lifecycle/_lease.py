@@ -355,8 +355,7 @@ class Tenure:
 
     def _max_hold_reached(self) -> None:
         """``max_hold`` seconds since the acquisition: lost, though renewals succeed."""
-        self._max_hold_timer = None
-        if self.state in _ACTIVE and not self.closing:
+        if self.active:
             self.lose(LossReason.MAX_HOLD)
 
     # -- asked by the watchdog (its view of a lease: ``_watchdog.Watched``) ---------------
@@ -376,7 +375,7 @@ class Tenure:
         node the answer names. The lease moves to that node's companion (``follow``),
         and is renewed there at once. Returns False when it cannot move (not a cluster,
         being released, or the same node): the renewal then counts as failed."""
-        if self.closing or self.state not in _ACTIVE or not self.follow(error):
+        if not self.active or not self.follow(error):
             return False
         self.companion.watchdog.schedule(self, self.companion.loop.time())
         return True
@@ -421,7 +420,7 @@ class Tenure:
     def on_deadline(self, cause: BaseException | None = None) -> None:
         """Called by the watchdog once ``safe_until`` has passed; ``cause``: the failure
         of the renewal that could not be retried in time, if that is how it came."""
-        if self.state not in _ACTIVE or self.closing:
+        if not self.active:
             return  # ended, or the block finished in time and is being released
         if cause is not None:
             self.lost_cause = cause
@@ -548,10 +547,8 @@ class Tenure:
         if self.state in _ACTIVE:
             self.state = LeaseState.RELEASED
         self.scope = None
-        timer = self._max_hold_timer
-        if timer is not None:
-            timer.cancel()
-            self._max_hold_timer = None
+        if self._max_hold_timer is not None:  # (cancelling one that has run does nothing)
+            self._max_hold_timer.cancel()
 
     def exit_block(self) -> anyio.CancelScope:
         """The ``async with`` block's exit begins: from here on a loss can no longer
