@@ -388,5 +388,4 @@ async def _release_all(leases: list[Tenure]) -> None:
     """Give back every lease at once; each release is shielded and bounded, and a loss
     it reports (``LockLost``, returned by the gathering) is the Redlock's business, not an
     error here."""
-    if leases:
-        await asyncio.gather(*(lease.give_back() for lease in leases), return_exceptions=True)
+    await asyncio.gather(*(lease.give_back() for lease in leases), return_exceptions=True)
