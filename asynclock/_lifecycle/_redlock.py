@@ -101,13 +101,10 @@ class RedlockLease:
     @property
     def safe_until(self) -> float:
         """Loop time until which a majority of the servers' leases is known held."""
-        deadlines = sorted(
-            (lease.deadline for lease in self._leases if lease.held_locally()),
-            reverse=True,
-        )
+        deadlines = [lease.deadline for lease in self._leases if lease.held_locally()]
         if len(deadlines) < self._quorum:
             return 0.0
-        return deadlines[self._quorum - 1]
+        return sorted(deadlines)[-self._quorum]  # (the majority-th latest)
 
     @property
     def time_left(self) -> float:
