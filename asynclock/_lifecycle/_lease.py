@@ -255,21 +255,6 @@ class Tenure:
             self.raise_loss(in_flight, "the code that released it")
         return stored
 
-    def open_guard(self) -> anyio.CancelScope:
-        """A guard's scope, entered (a loss cancels it until ``close_guard``)."""
-        scope = self.companion.cancel_scope()
-        scope.__enter__()
-        self.guards = (*(self.guards or ()), scope)
-        return scope
-
-    def close_guard(self, scope: anyio.CancelScope) -> bool:
-        """A guard's scope exits; False if it is not one of the open guards'."""
-        guards = self.guards
-        if guards is None or scope not in guards:
-            return False
-        self.guards = tuple(open_ for open_ in guards if open_ is not scope)
-        return True
-
     def __repr__(self) -> str:
         return f"<Tenure {self.options.name!r} {self.state.name} fence={self.fencing_token}>"
 
@@ -719,15 +704,18 @@ class LeaseGuard:
         if not held.held_locally():
             held.overran("a guard")  # (past its deadline, its timer not run yet)
             raise held.loss_error() from held.lost_cause
-        self._scope = held.open_guard()
+        self._scope = scope = held.companion.cancel_scope()
+        scope.__enter__()  # (a loss cancels it, while it is one of the open guards)
+        held.guards = (*held.guards, scope)
         self._entry = held.companion.holding(held.options.base_key)
         return self._lease
 
     async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         held = self._lease._tenure
-        scope = self._scope
-        if scope is None or not held.close_guard(scope):
+        scope, guards = self._scope, held.guards or ()
+        if scope is None or scope not in guards:
             raise RuntimeError("a guard's __aexit__ without its __aenter__, or twice")
+        held.guards = tuple(open_ for open_ in guards if open_ is not scope)
         held.companion.left(self._entry)
         overran = held.overran("a guard's exit")  # (not cancelling this guard's scope)
         lost_here = held.state is LeaseState.LOST and (scope.cancel_called or overran)
