@@ -129,15 +129,13 @@ async def release(held: Held, *, shielded: bool = False) -> Wake:
     except Exception as exc:
         _not_done(held, exc, "release of %r did not complete (%r); its key expires by its TTL")
         return Wake.OURS
-    if released is _Outcome.NOT_OURS:
+    if released is _NotOurs.NOT_OURS:
         held.lose(LossReason.NOT_OWNER)  # the key vanished, the watchdog unaware
     elif released is not None:
         held.event(LeaseEventKind.RELEASED)
     if successor is not None and not room.waiting(channel) and room.registered(channel):
         room.in_background(unregister(held.companion, held.options))  # line emptied
-    if released is _Outcome.HANDED:
-        return Wake.HANDED
-    return Wake.OTHERS if released is _Outcome.OTHERS_DUE else Wake.OURS
+    return released if isinstance(released, Wake) else Wake.OURS
 
 
 async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool | None:
@@ -187,14 +185,10 @@ def _not_done(held: Held, exc: Exception, warning: str) -> None:
     held.event(LeaseEventKind.RELEASE_FAILED, repr(exc))
 
 
-class _Outcome(enum.Enum):
-    """What a release found."""
+class _NotOurs(enum.Enum):
+    """A release's answer that proves the key was not ours (see ``_send_release``)."""
 
-    RELEASED = "released"  # deleted (waiters notified)
-    HANDED = "handed"  # handed to our next waiter (woken)
-    OTHERS_DUE = "others due"  # granted to a waiter of another client, or deleted (waiters
-    # notified) with waiters of other clients registered: ours stand back (Wake.OTHERS)
-    NOT_OURS = "not ours"  # definitively not our key (see _send_release)
+    NOT_OURS = "not ours"
 
 
 async def _send_release(
@@ -206,15 +200,18 @@ async def _send_release(
     behind: Waiter | None,
     t_offer: float,
     deadline: float,
-) -> _Outcome | None:
-    """Release ``held``. Returns NOT_OURS if Redis answered that the key was not ours
-    while we still believed we held it (the work may have overlapped another holder); None
-    if that answer proves nothing: a retry after a lost reply (the first attempt may have
-    released the key), or a reply that arrived at or after the safe deadline. Redis ran
-    the script at some moment before its reply arrived, and the key cannot expire by its
-    TTL before ``safe_until``; so only a reply received before ``safe_until`` proves the
-    key went early. One sent earlier but answered later may have found the key expired
-    by its TTL after the block had finished in time, which is no loss.
+) -> Wake | _NotOurs | None:
+    """Release ``held``. Returns whom to wake once it is released (OURS: deleted, waiters
+    notified; HANDED: handed to our next waiter, woken; OTHERS: granted to a waiter of
+    another client, or deleted with waiters of other clients registered). Returns
+    NOT_OURS if Redis answered that the key was not ours while we still believed we held
+    it (the work may have overlapped another holder); None if that answer proves nothing:
+    a retry after a lost reply (the first attempt may have released the key), or a reply
+    that arrived at or after the safe deadline. Redis ran the script at some moment before
+    its reply arrived, and the key cannot expire by its TTL before ``safe_until``; so only
+    a reply received before ``safe_until`` proves the key went early. One sent earlier but
+    answered later may have found the key expired by its TTL after the block had finished
+    in time, which is no loss.
 
     With a ``successor`` (the head of this client's line for the lock) the HANDOFF script
     gives it the key in the same round trip unless a waiter of another client is
@@ -251,27 +248,27 @@ async def _send_release(
     first = first and definitive
     if successor is None:
         if reply == 1:
-            return _Outcome.RELEASED
-        return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+            return Wake.OURS
+        return _NotOurs.NOT_OURS if _proves_loss(held, first) else None
     answer, fence = read_handoff(reply)
     if answer is Handoff.ALREADY and first:
         # The next holder took the key by an attempt of its own: ours was gone before the
         # release (its own reply tells it so; it is only woken here).
         successor.event.set()
-        return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+        return _NotOurs.NOT_OURS if _proves_loss(held, first) else None
     if answer in (Handoff.HANDED, Handoff.ALREADY):  # (ALREADY on a retry: ours landed)
         successor.grant = (fence, t_offer)  # the script set or renewed its expiry
         successor.event.set()
         room.set_registered(options.channel, behind is not None)
-        return _Outcome.HANDED
+        return Wake.HANDED
     successor.offered = False  # a definitive answer: the key was not handed over
     if answer in (Handoff.GRANTED, Handoff.CONTESTED):  # (granted: to another's waiter)
         room.set_registered(options.channel, True)
-        return _Outcome.OTHERS_DUE
+        return Wake.OTHERS
     if answer is Handoff.RELEASED:  # the next holder gave up; released as RELEASE does
         room.set_registered(options.channel, behind is not None)
-        return _Outcome.RELEASED
-    return _Outcome.NOT_OURS if _proves_loss(held, first) else None
+        return Wake.OURS
+    return _NotOurs.NOT_OURS if _proves_loss(held, first) else None
 
 
 async def _send(
