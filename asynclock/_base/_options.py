@@ -199,9 +199,6 @@ class LeaseOptions:
     wait_aof: bool = False
     """``min_replicas`` counts replicas that wrote the lease to their append-only file
     (``WAITAOF``), not only received it (``WAIT``)."""
-    redlock_blocking: tuple[bool, float | None] = (False, None)
-    """For one server of a Redlock (made non-blocking): the Redlock's own ``blocking``
-    and ``blocking_timeout``."""
     slot: int = -1
     """For a permit of a semaphore held: which of its ``limit`` keys holds it (else -1)."""
     reader: str = ""
@@ -271,15 +268,6 @@ class LeaseOptions:
         """The sorted set of a lock's shared holders ("<token>:<fencing token>" -> until,
         server ms)."""
         return self.base_key + ":readers"
-
-    def for_redlock(self) -> LeaseOptions:
-        """These options for one server of a Redlock: one attempt (see ``_redlock``)."""
-        return replace(
-            self,
-            blocking=False,
-            blocking_timeout=None,
-            redlock_blocking=(self.blocking, self.blocking_timeout),
-        )
 
     def permit(self, slot: int) -> LeaseOptions:
         """These options for a permit held in ``slot`` (its own key; cached)."""

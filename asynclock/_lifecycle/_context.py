@@ -328,8 +328,8 @@ _NOT_REDLOCK = ("hold_at_least", "max_hold", "limit", "fair", "shared", "min_rep
 
 def _redlock_options(
     servers: Sequence[object], name: str, given: Mapping[str, object]
-) -> list[LeaseOptions]:
-    """The options of a Redlock's servers (one attempt each), or ``TypeError`` /
+) -> LeaseOptions:
+    """The options of a Redlock (the same for each of its servers), or ``TypeError`` /
     ``ValueError`` before any I/O: at least 3 distinct clients of single servers, and
     only the options of a plain lock."""
     if len(servers) < 3:
@@ -344,7 +344,8 @@ def _redlock_options(
     for option in _NOT_REDLOCK:
         if option in given and given[option] != KEYWORDS[option]:
             raise ValueError(f"{option} cannot be given with a list of servers (Redlock)")
-    return [_options(cast(Client, server), name, given).for_redlock() for server in servers]
+    options = [_options(cast(Client, server), name, given) for server in servers]
+    return options[0]  # (each server checked to be a client: the options do not depend on it)
 
 
 # -- taking the lock (every way in) -------------------------------------------------------

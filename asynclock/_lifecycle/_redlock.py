@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Final
 
 import anyio
@@ -267,11 +268,10 @@ class RedlockContext:
 
 
 async def acquire_redlock(
-    servers: Sequence[Client], options: list[LeaseOptions], hook: EventHook | None, take: Take
+    servers: Sequence[Client], options: LeaseOptions, hook: EventHook | None, take: Take
 ) -> RedlockLease:
-    """Take the lock on a majority of ``servers`` (``options``: one per server, each
-    non-blocking; ``blocking`` and ``blocking_timeout`` are taken from the first one's
-    ``redlock_blocking``), each server's lease with ``take``. See the design note.
+    """Take the lock of ``options`` on a majority of ``servers``, each server's lease with
+    ``take`` (one attempt per round: ``options`` made non-blocking). See the design note.
 
     Raises:
         LockBusy: not blocking, and fewer than a majority granted the lock.
@@ -280,37 +280,37 @@ async def acquire_redlock(
         redis.exceptions.RedisError: no server could be reached in a round (blocking or
             not: waiting would wait for nothing).
     """
-    first = options[0]
-    blocking, timeout = first.redlock_blocking
+    attempt = replace(options, blocking=False, blocking_timeout=None)
     loop = asyncio.get_running_loop()
     t_call = loop.time()
+    timeout = options.blocking_timeout
     deadline = None if timeout is None else t_call + timeout
     for server in servers:  # (a task in a block or guard of it would wait for itself)
         if isinstance(server, Redis):
-            companion_for(server).check_not_holding(first.base_key, first.name)
+            companion_for(server).check_not_holding(options.base_key, options.name)
     while True:
-        lock = RedlockLease(first.name, first.ttl, len(servers), hook)
-        limit = first.ttl / 3
+        lock = RedlockLease(options.name, options.ttl, len(servers), hook)
+        limit = options.ttl / 3
         if deadline is not None:
             limit = min(limit, max(deadline - loop.time(), _SHORTEST_ROUND))
-        leases, errors = await _take_all(servers, options, lock, limit, take)
+        leases, errors = await _take_all(servers, attempt, lock, limit, take)
         if len(leases) >= lock._quorum:
             lock._leases = leases
-            if lock.safe_until - loop.time() >= first.ttl / 3:
+            if lock.safe_until - loop.time() >= options.ttl / 3:
                 now = lock._acquired_at = loop.time()
                 acquired, token = LeaseEventKind.ACQUIRED, lock.fencing_token
-                report(hook, acquired, first.name, token, now, lock.safe_until, waited=now - t_call)
+                report(hook, acquired, lock.name, token, now, lock.safe_until, waited=now - t_call)
                 return lock
         await _release_all(leases)
         if errors and len(errors) == len(servers):
             raise errors[0]
-        if not blocking:
-            report_failed(hook, first.name, "busy", t_call)
-            raise LockBusy(first.name)
-        pause = random.uniform(0, min(_RETRY_PAUSE, first.ttl / 3))
+        if not options.blocking:
+            report_failed(hook, options.name, "busy", t_call)
+            raise LockBusy(options.name)
+        pause = random.uniform(0, min(_RETRY_PAUSE, options.ttl / 3))
         if deadline is not None and deadline - loop.time() <= pause:
-            report_failed(hook, first.name, "timeout", t_call)
-            raise AcquireTimeout(first.name, timeout or 0.0, "no majority of the servers")
+            report_failed(hook, options.name, "timeout", t_call)
+            raise AcquireTimeout(options.name, timeout or 0.0, "no majority of the servers")
         await asyncio.sleep(pause)
 
 
@@ -319,7 +319,7 @@ _SHORTEST_ROUND = 0.05  # seconds: a round of attempts near the blocking_timeout
 
 async def _take_all(
     servers: Sequence[Client],
-    options: list[LeaseOptions],
+    options: LeaseOptions,
     lock: RedlockLease,
     limit: float,
     take: Take,
@@ -332,14 +332,13 @@ async def _take_all(
     given back, before the cancellation propagates (shielded; each undo and release is
     bounded by ``release_timeout``): nothing is left on any server."""
     tasks = [
-        asyncio.ensure_future(take(server, o, alone(lock._on_event)))
-        for server, o in zip(servers, options, strict=True)
+        asyncio.ensure_future(take(server, options, alone(lock._on_event))) for server in servers
     ]
     try:
         await asyncio.wait(tasks, timeout=limit)
     except BaseException:
         with contextlib.suppress(Exception, asyncio.CancelledError):
-            await finish(_settle(tasks), 2 * options[0].release_timeout)
+            await finish(_settle(tasks), 2 * options.release_timeout)
         raise
     leases: list[Tenure] = []
     errors: list[BaseException] = []
