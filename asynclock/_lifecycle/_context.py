@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -235,12 +235,10 @@ def lease(
 
     ``TypeError``/``ValueError`` for bad arguments are raised here, before any I/O.
     """
-    hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        servers = _redlock_options(redis, name, options)
-        return RedlockContext(partial(acquire_redlock, redis, servers, hook, take))
+        return RedlockContext(_redlock(redis, name, options))
     client = cast(Client, redis)  # (a client, or _options raises TypeError)
-    return LeaseContext(client, _options(client, name, options), hook)
+    return LeaseContext(client, _options(client, name, options), options.get("on_event"))
 
 
 @overload
@@ -276,11 +274,10 @@ async def acquire(
     :func:`lease`; ``TypeError``/``ValueError`` for bad arguments are raised before any
     I/O. A cancellation while acquiring leaves no key behind.
     """
-    hook = options.get("on_event")
     if isinstance(redis, list | tuple):  # (Redlock, experimental: see _redlock)
-        return await acquire_redlock(redis, _redlock_options(redis, name, options), hook, take)
+        return await _redlock(redis, name, options)()
     client = cast(Client, redis)  # (a client, or _options raises TypeError)
-    return Lease(await begin(client, _options(client, name, options), hook))
+    return Lease(await begin(client, _options(client, name, options), options.get("on_event")))
 
 
 class HoldKeywords(TypedDict, total=False):
@@ -326,12 +323,13 @@ _NOT_REDLOCK = ("hold_at_least", "max_hold", "limit", "fair", "shared", "min_rep
 """Options a Redlock does not take (given with their defaults, they are not given)."""
 
 
-def _redlock_options(
-    servers: Sequence[object], name: str, given: Mapping[str, object]
-) -> LeaseOptions:
-    """The options of a Redlock (the same for each of its servers), or ``TypeError`` /
-    ``ValueError`` before any I/O: at least 3 distinct clients of single servers, and
-    only the options of a plain lock."""
+def _redlock(
+    servers: Sequence[Client], name: str, given: LeaseKeywords
+) -> Callable[[], Awaitable[RedlockLease]]:
+    """The acquisition of a Redlock (``acquire_redlock``, its arguments given: its options
+    are the same for each of its servers), or ``TypeError`` / ``ValueError`` before any
+    I/O: at least 3 distinct clients of single servers, and only the options of a plain
+    lock."""
     if len(servers) < 3:
         raise ValueError(
             f"redis: a Redlock needs at least 3 independent servers, got {len(servers)}"
@@ -342,10 +340,10 @@ def _redlock_options(
         if is_cluster(server):
             raise TypeError("redis: a Redlock's servers must be single servers, not clusters")
     for option in _NOT_REDLOCK:
-        if option in given and given[option] != KEYWORDS[option]:
+        if given.get(option, KEYWORDS[option]) != KEYWORDS[option]:
             raise ValueError(f"{option} cannot be given with a list of servers (Redlock)")
-    options = [_options(cast(Client, server), name, given) for server in servers]
-    return options[0]  # (each server checked to be a client: the options do not depend on it)
+    options = [_options(server, name, given) for server in servers]  # (each one checked)
+    return partial(acquire_redlock, servers, options[0], given.get("on_event"), take)
 
 
 # -- taking the lock (every way in) -------------------------------------------------------
