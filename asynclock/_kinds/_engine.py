@@ -251,7 +251,7 @@ class Line(Turn):
         return not self._room.waiting(self._channel)
 
     def mine(self) -> bool:
-        return self.waiter is not None and self._room.is_head(self._channel, self.waiter)
+        return self.waiter is not None and self._room.head(self._channel) is self.waiter
 
     async def leave(self, granted: bool, quietly: bool) -> None:
         """Out of the line; the next in line tries now (another permit may be free, or,

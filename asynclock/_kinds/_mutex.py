@@ -162,7 +162,7 @@ class Mutex(Kind):
         # attempts, made before joining the line, are not heads: the one that joins
         # second would wait, never trying, and the key granted to it with it.)
         self._offering = None
-        if waiter is not None and room.is_head(channel, waiter) and room.listening(channel):
+        if waiter is not None and room.head(channel) is waiter and room.listening(channel):
             self._offering = waiter  # (its token is ours)
             waiter.exposed = True  # (from the first send on, a grant may land)
         self._on_success = on_success

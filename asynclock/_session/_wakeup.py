@@ -188,9 +188,6 @@ class WaitingRoom:
         else:
             self._registered.discard(channel)
 
-    def is_head(self, channel: str, waiter: Waiter) -> bool:
-        return self.head(channel) is waiter
-
     def leave(self, channel: str, waiter: Waiter, *, wake_next: bool = True) -> None:
         """Remove ``waiter``; the next in line becomes head (woken to try if ``wake_next``)."""
         line = self._lines.get(channel)
