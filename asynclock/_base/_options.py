@@ -167,6 +167,17 @@ def _optional_timeout(argument: str, value: object) -> float | None:
     return result
 
 
+class _Named:
+    """A name of one lock's (one of its keys, or its channel): the lock's base key and
+    ``suffix``, made when asked for (see ``LeaseOptions``)."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __get__(self, options: LeaseOptions, owner: object = None) -> str:
+        return options.base_key + self.suffix
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseOptions:
     """The validated settings of one :func:`asynclock.lease` call. Times in seconds.
@@ -231,52 +242,36 @@ class LeaseOptions:
         object.__setattr__(self, "fence_ttl", fence_ttl)
         object.__setattr__(self, "fence_ttl_ms", max(self.ttl_ms, round(fence_ttl * 1000)))
 
-    @property
-    def fence_key(self) -> str:
-        """The key of the lock's fencing counter (shared by a semaphore's permits)."""
-        return self.base_key + ":fence"
+    fence_key = _Named(":fence")
+    """The key of the lock's fencing counter (shared by a semaphore's permits)."""
 
-    @property
-    def channel(self) -> str:
-        """The pub/sub channel on which releases of the lock (any of its permits) are
-        announced."""
-        return self.base_key + ":released"
+    channel = _Named(":released")
+    """The pub/sub channel on which releases of the lock (any of its permits) are
+    announced."""
 
-    @property
-    def permits_key(self) -> str:
-        """A semaphore's index of its permits (slot -> server ms at which its key
-        expires; see ``SEMAPHORE_ACQUIRE``)."""
-        return self.base_key + ":permits"
+    permits_key = _Named(":permits")
+    """A semaphore's index of its permits (slot -> server ms at which its key
+    expires; see ``SEMAPHORE_ACQUIRE``)."""
 
-    @property
-    def limit_key(self) -> str:
-        """The limit a semaphore's permits are held with."""
-        return self.base_key + ":limit"
+    limit_key = _Named(":limit")
+    """The limit a semaphore's permits are held with."""
 
-    @property
-    def queue_key(self) -> str:
-        """A fair lock's queue of waiters (see ``FAIR_ACQUIRE``)."""
-        return self.base_key + ":queue"
+    queue_key = _Named(":queue")
+    """A fair lock's queue of waiters (see ``FAIR_ACQUIRE``)."""
 
-    @property
-    def alive_key(self) -> str:
-        """A fair lock's hash of its queued waiters' liveness (see ``FAIR_ACQUIRE``)."""
-        return self.base_key + ":queue:alive"
+    alive_key = _Named(":queue:alive")
+    """A fair lock's hash of its queued waiters' liveness (see ``FAIR_ACQUIRE``)."""
 
-    @property
-    def readers_key(self) -> str:
-        """The sorted set of a lock's shared holders ("<token>:<fencing token>" -> until,
-        server ms)."""
-        return self.base_key + ":readers"
+    readers_key = _Named(":readers")
+    """The sorted set of a lock's shared holders ("<token>:<fencing token>" -> until,
+    server ms)."""
 
     def permit(self, slot: int) -> LeaseOptions:
         """These options for a permit held in ``slot`` (its own key; cached)."""
         return _permit(self, slot)
 
-    @property
-    def waiting_key(self) -> str:
-        """The hash in which blocking waits register their client (see ``HANDOFF``)."""
-        return self.base_key + ":waiting"
+    waiting_key = _Named(":waiting")
+    """The hash in which blocking waits register their client (see ``HANDOFF``)."""
 
     def attempt_keys(self, token: str, *more: str) -> list[str]:
         """The keys an acquire script's attempt made with ``token`` begins with: the lock's
