@@ -100,11 +100,11 @@ class JobUnstored(JobDone):
 
 
 class JobConflict(Exception):
-    """Raised by an attempt of a job that found another fingerprint: ``theirs``."""
+    """Raised by an attempt of a job that found another fingerprint: ``theirs`` (which
+    nobody reads: ``once()`` raises ``IdempotencyConflict`` for the key alone)."""
 
     def __init__(self, theirs: object) -> None:
         super().__init__("the job runs, or ran, with another fingerprint")
-        self.theirs = theirs
 
 
 _JOB_REFUSALS: Final[dict[int, type[Exception]]] = {2: JobDone, 3: JobConflict, 4: JobUnstored}
