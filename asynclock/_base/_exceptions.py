@@ -64,10 +64,16 @@ class LockError(Exception):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Unpickled without ``__init__`` (whose arguments differ per class): the message
-        # as it was (``BaseException.__new__`` keeps its arguments as ``args``), and the
-        # attributes, every one of them in ``__dict__``.
-        cls = type(self)
-        return (cls.__new__, (cls, *self.args), self.__dict__)
+        # as it was, and the attributes, every one of them in ``__dict__``.
+        return (_unpickled, (type(self), self.args), self.__dict__)
+
+
+def _unpickled(cls: type[LockError], args: tuple[object, ...]) -> LockError:
+    error = cls.__new__(cls, *args)
+    # (set here: OSError.__new__, a TimeoutError's, leaves args to an __init__ of the
+    # subclass's own, which unpickling does not call)
+    error.args = args
+    return error
 
 
 class LockLost(LockError):
