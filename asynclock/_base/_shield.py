@@ -64,12 +64,13 @@ async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:
     task = asyncio.ensure_future(coro)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
-    cancelled = False
+    cancelled = stopped = False
     with anyio.CancelScope(shield=True):
         while not task.done():
             remaining = deadline - loop.time()
-            if remaining <= 0 and not task.cancelling():
-                task.cancel()  # then let it unwind (it cannot block on I/O)
+            if remaining <= 0 and not stopped:  # (ours, whatever else cancelled it before)
+                task.cancel()  # once, then let it unwind (it cannot block on I/O)
+                stopped = True
             try:
                 await asyncio.wait((task,), timeout=remaining if remaining > 0 else None)
             except asyncio.CancelledError:
