@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 import asynclock
 from asynclock import LeaseEventKind, LeaseState, LockLost, LossReason
-from asynclock._redis._scripts import _FENCE_FROM_TIME
+from asynclock._redis._scripts import _mint_fence
 from asynclock.testing import FaultProxy, RedisServer
 
 
@@ -93,12 +93,52 @@ async def test_fencing_token_text_is_the_server_time_in_microseconds(
     """2: the token's text, made from TIME's digits (the microseconds padded to 6), is the
     decimal of the number the scripts compare and return (a TIME reply stands in)."""
     source = (
-        "local t = {ARGV[1], ARGV[2]}\nlocal fence, text\n"
-        + _FENCE_FROM_TIME
-        + "return {text, string.format('%d', fence)}"
+        "local t = {ARGV[1], ARGV[2]}\nlocal fence\n"
+        + _mint_fence("nil")  # (no last token)
+        + "return {fence, string.format('%d', fence)}"
     )
     made, number = await client.eval(source, 0, "1764300000", micros)
     assert [text(made), text(number)] == [f"1764300000{int(micros):06d}"] * 2
+
+
+@pytest.mark.parametrize(
+    ("last", "expected"),
+    [
+        ("1764300000000004", "1764300000000005"),  # as long, the clock not past it: + 1
+        ("1764300000000005", "1764300000000006"),  # the clock's own microsecond: + 1
+        ("1764299999999999", "1764300000000005"),  # as long and below: the clock's
+        ("00001764300000000009", "1764300000000010"),  # longer: read as a number, + 1
+        ("999", "1764300000000005"),  # shorter: the clock's
+        ("0001764300000000", "1764300000000005"),  # as long, but the number below
+        ("not a number at all", "1764300000000005"),  # longer, but no number: ignored
+    ],
+)
+async def test_fencing_token_is_above_the_last_one_compared_as_text_first(
+    client: Redis, last: str, expected: str
+):
+    """2: max(last + 1, server TIME in microseconds), the last token compared as text
+    before it is read as a number (a TIME reply of 1764300000.000005 stands in)."""
+    source = (
+        "local t = {'1764300000', '5'}\nlocal fence\n" + _mint_fence("ARGV[1]") + "return fence"
+    )
+    assert text(await client.eval(source, 0, last)) == expected
+
+
+async def test_a_counter_ahead_of_the_clock_gives_the_next_token(client: Redis, prefix: str):
+    """2: a counter ahead of the server's clock (set by hand here: a clock stepped back
+    does the same) is what the next token follows, for every kind that mints."""
+    ahead = time.time_ns() // 1000 + 10**9  # (a quarter of an hour ahead, in microseconds)
+    for name, options in (
+        ("m", {}),
+        ("s", {"limit": 3}),
+        ("r", {"shared": True}),
+        ("f", {"fair": True}),
+    ):
+        base = f"{prefix}{{{name}}}"
+        await client.set(base + ":fence", ahead)
+        async with asynclock.lease(client, name, ttl=5, prefix=prefix, **options) as lock:
+            assert lock.fencing_token == ahead + 1, name
+            assert int(await client.get(base + ":fence")) == ahead + 1, name
 
 
 # -- 3. the watchdog --------------------------------------------------------------------

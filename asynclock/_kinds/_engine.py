@@ -156,14 +156,15 @@ def answer(
     reply: object, t_send: float, options: LeaseOptions, *, pending: bool = False
 ) -> Granted | Busy | Refused:
     """The replies every acquire script shares, once a kind has read its own: the lock
-    taken with the attempt sent at ``t_send``, answered with its fencing token alone (an
-    integer: the plain and fair locks' scripts) or as (1, fencing token[, a permit's
-    slot]); (0, the holder's time left in ms) busy (``pending``: see ``Busy``); (-2, the
-    limit) permits of the name held with another limit than ``options.limit``
-    (``LimitConflict``: one name, one limit). Any other status left here is (-1, 0), the
-    answer to an abandoned attempt (its tombstone), which the engine never reads: a bug."""
-    if isinstance(reply, int):
-        return Granted(reply, t_send)
+    taken with the attempt sent at ``t_send``, answered with its fencing token alone (a
+    decimal string, or an integer for a retry of ours: the plain and fair locks'
+    scripts) or as (1, fencing token[, a permit's slot]); (0, the holder's time left in
+    ms) busy (``pending``: see ``Busy``); (-2, the limit) permits of the name held with
+    another limit than ``options.limit`` (``LimitConflict``: one name, one limit). Any
+    other status left here is (-1, 0), the answer to an abandoned attempt (its
+    tombstone), which the engine never reads: a bug."""
+    if not isinstance(reply, list):
+        return Granted(int(cast(int | bytes, reply)), t_send)
     raw_status, raw_value, *slot = cast(list[int | bytes], reply)
     status = int(raw_status)
     if status == -2:

@@ -257,30 +257,28 @@ _NOW = f"""local t = redis.call('TIME')
 local now = {_NOW_MS}
 """
 
-# The server TIME in microseconds into `fence` (`text`: it as a decimal string), from the
-# TIME reply `t`. The token's text is made from TIME's own digits (seconds, then
-# microseconds padded to 6); string.format, which the rare case that the clock gave no
-# more than the last token takes (see _mint_fence), costs 3 times as much.
-_FENCE_FROM_TIME = """fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-text = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
-"""
-
 
 def _mint_fence(last: str, again: str = "") -> str:
-    """Lua: the next fencing token into ``fence`` (``text``: it as a decimal string),
-    declared by the script: max(last + 1, server TIME in microseconds), from the TIME
-    reply ``t`` and the last token, which the Lua expression ``last`` reads from the
-    counter at KEYS[2]. ``again`` runs in the rare case that the clock gave no more than
-    the last token."""
-    return (
-        _FENCE_FROM_TIME
-        + f"""local last = tonumber({last})
-if last and last >= fence then
-  fence = last + 1
-  text = string.format('%d', fence)
-{again}end
+    """Lua: the next fencing token, max(last + 1, server TIME in microseconds), into
+    ``fence`` (declared by the script) as a decimal string, from the TIME reply ``t`` and
+    the last token, which the Lua expression ``last`` reads from the counter at KEYS[2];
+    ``again`` runs in the rare case that the clock gave no more than the last token.
+
+    The token is made from TIME's own digits (seconds, then microseconds padded to 6),
+    and the last token, a decimal the scripts wrote, is compared with it as text first:
+    a shorter one, or one as long and smaller, is below it. Only a last token not below
+    is read as a number (``tonumber`` is ``strtod``: three of them cost as much as a
+    ``redis.call``), and ``string.format`` then writes the next. A script that returns
+    the token alone returns this string; in a table, ``tonumber(fence)``, an integer."""
+    return f"""fence = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+local last = {last}
+if last and #last >= #fence and (#last > #fence or last >= fence) then
+  local number = tonumber(last)
+  if number and number >= tonumber(fence) then
+    fence = string.format('%d', number + 1)
+{again}  end
+end
 """
-    )
 
 
 # The next fencing token, the counter only read.
@@ -289,8 +287,8 @@ _MINT_FENCE = _mint_fence("redis.call('GET', KEYS[2])")
 # The same, written to the counter (PX ARGV[3]) by the command that reads the last one
 # (SET ... GET); written again in the rare case that the clock gave no more than the last.
 _MINT_AND_STORE_FENCE = _mint_fence(
-    "redis.call('SET', KEYS[2], text, 'PX', ARGV[3], 'GET')",
-    "  redis.call('SET', KEYS[2], text, 'PX', ARGV[3])\n",
+    "redis.call('SET', KEYS[2], fence, 'PX', ARGV[3], 'GET')",
+    "    redis.call('SET', KEYS[2], fence, 'PX', ARGV[3])\n",
 )
 
 # The fencing token in a lease's value `current` ("<token>:<fencing token>[:...]").
@@ -375,8 +373,9 @@ end
 # then also registers ARGV[1], ARGV[2] and ARGV[7], so that another client's releaser may
 # grant the lock to this token (HANDOFF); the sender counts a granted lease from ARGV[7],
 # which precedes the grant. Otherwise an offer of another token of ours (the head's) stays.
-# Returns the fencing token alone (an integer) when held by this token (new, or a retry
-#           of ours: a reply that is not a table, which saves the server about 0.4 µs),
+# Returns the fencing token alone when held by this token (new: its decimal string, or a
+#           retry of ours: an integer; a reply that is not a table, which saves the
+#           server about 0.4 µs),
 #         {0, pttl of the holder in ms (-1: no expiry)} when someone else holds it,
 #         {-1, 0} when this attempt was abandoned (its tombstone exists),
 #         {-2, their limit} when the lock is free but permits of a semaphore of the name
@@ -395,14 +394,14 @@ def _acquire(prologue: str = "", current: str = "", fenced: str = "fence") -> st
 local suffix = ''
 """
         + current
-        + f"""local fence, text
+        + f"""local fence
 if not current then
   if held_with then
 {_PERMITS_OF_LOCK}  end
   local t = redis.call('TIME')
 """
         + _MINT_AND_STORE_FENCE
-        + f"""redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text .. suffix, 'PX', ARGV[2])
+        + f"""redis.call('SET', KEYS[1], ARGV[1] .. ':' .. fence .. suffix, 'PX', ARGV[2])
 elseif {_held()} then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   fence = {_FENCE_OF}
@@ -486,7 +485,7 @@ if ARGV[8] ~= '' then
   bare = not running and {_held()}
 end
 """,
-        fenced="bare and {5, fence} or fence",
+        fenced="bare and {5, tonumber(fence)} or fence",
     ),
 )
 
@@ -638,7 +637,7 @@ local function keep_registered()  -- our line after the key went elsewhere
     redis.call('HDEL', KEYS[4], ARGV[6])
   end
 end
-local fence, text
+local fence
 if due then
   local token, loop_time, ttl, at =
     string.match(due_entry, '^%d+:%d+:(%x+):([^:]+):(%d+):(%d+)$')
@@ -647,13 +646,13 @@ if due then
     + _MINT_FENCE
     + """    redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
     redis.call('HDEL', KEYS[4], due)  -- its client offers its next token anew
-    redis.call('SET', KEYS[1], token .. ':' .. text, 'PX', ttl)
+    redis.call('SET', KEYS[1], token .. ':' .. fence, 'PX', ttl)
     -- (the counter kept as long as for our own successor, and at least the lease)
-    redis.call('SET', KEYS[2], text, 'PX', math.max(tonumber(ARGV[4]), tonumber(ttl)))
+    redis.call('SET', KEYS[2], fence, 'PX', math.max(tonumber(ARGV[4]), tonumber(ttl)))
     keep_registered()
     redis.call('PUBLISH', ARGV[5] .. ':' .. due,
-      ARGV[6] .. ':' .. due .. ':' .. token .. ':' .. text .. ':' .. loop_time)
-    return {5, fence}
+      ARGV[6] .. ':' .. due .. ':' .. token .. ':' .. fence .. ':' .. loop_time)
+    return {5, tonumber(fence)}
   end
 end
 if due or abandoned then
@@ -665,8 +664,8 @@ end
 """
     + _MINT_FENCE
     + """redis.call('DEL', KEYS[1])  -- (a write that maxmemory never refuses; see above)
-redis.call('SET', KEYS[1], ARGV[2] .. ':' .. text, 'PX', ARGV[3])
-redis.call('SET', KEYS[2], text, 'PX', ARGV[4])
+redis.call('SET', KEYS[1], ARGV[2] .. ':' .. fence, 'PX', ARGV[3])
+redis.call('SET', KEYS[2], fence, 'PX', ARGV[4])
 if ARGV[7] ~= 'keep' then
   redis.call('HDEL', KEYS[4], ARGV[6])
 elseif ARGV[11] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
@@ -674,7 +673,7 @@ elseif ARGV[11] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then
 else
   register(now, now, offer(ARGV[11], ARGV[12]))
 end
-return {1, fence}
+return {1, tonumber(fence)}
 """,
 )
 
@@ -778,7 +777,7 @@ if attempt then  -- a retry of ours: the permit it took, if still ours
   end
 end
 local limit = tonumber(ARGV[4])
-local fence, text
+local fence
 for _ = 0, limit do
   local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
   local slot
@@ -793,7 +792,7 @@ for _ = 0, limit do
   end
 """
     + _MINT_AND_STORE_FENCE
-    + """if redis.call('SET', stem .. slot, ARGV[1] .. ':' .. text, 'PX', ttl, 'NX') then
+    + """if redis.call('SET', stem .. slot, ARGV[1] .. ':' .. fence, 'PX', ttl, 'NX') then
     if held_with == ARGV[4] then  -- (never shortened: see _KEEP_PERMIT)
       redis.call('PEXPIRE', KEYS[1], ARGV[3], 'GT')
     else
@@ -801,7 +800,7 @@ for _ = 0, limit do
     end
     redis.call('SET', KEYS[3], 'p' .. slot, 'PX', ttl)
     index(slot, now + ttl)
-    return {1, fence, tonumber(slot)}
+    return {1, tonumber(fence), tonumber(slot)}
   end
   -- (-1, no expiry: looked at after a ttl; 0, its last millisecond: a key lives while
   -- the time is not past its expiry, so a score equal to that time may find it held)
@@ -904,7 +903,7 @@ return 1
 # ARGV[3] fence counter ttl (ms), ARGV[4] for how long (ms) a waiter counts as alive after
 # an attempt, ARGV[5] 'wait' to join the queue (else a single attempt, which takes the
 # lock only when nobody waits).
-# Returns the fencing token alone (an integer, as ACQUIRE's) when held by this token (new,
+# Returns the fencing token alone (as ACQUIRE's) when held by this token (new,
 #           or a retry of ours),
 #         {0, pttl of the holder in ms (0: free, another waiter's turn; -1: no expiry)},
 #         {-1, 0} when this attempt was abandoned (its tombstone exists),
@@ -940,10 +939,10 @@ if not current and (head == nil or head == ARGV[1]) then
     redis.call('ZREM', KEYS[4], ARGV[1])
     redis.call('HDEL', KEYS[5], ARGV[1])
   end
-  local fence, text
+  local fence
 """
     + _MINT_AND_STORE_FENCE
-    + """redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text, 'PX', ARGV[2])
+    + """redis.call('SET', KEYS[1], ARGV[1] .. ':' .. fence, 'PX', ARGV[2])
   return fence
 end
 if ARGV[5] == 'wait' then
@@ -1122,31 +1121,31 @@ for i = 2, #waiting, 2 do
     return {0, pttl}
   end
 end
-local fence, text
+local fence
 """
     + _MINT_AND_STORE_FENCE
     + """if not holder then  -- (the first reader in)
-  redis.call('SET', KEYS[1], 'shared:' .. ARGV[1] .. ':' .. text, 'PX', ttl)
-  return {1, fence}
+  redis.call('SET', KEYS[1], 'shared:' .. ARGV[1] .. ':' .. fence, 'PX', ttl)
+  return {1, tonumber(fence)}
 end
 if alone then  -- the reader alone in the lock's key joins the set beside us (a set
   -- already there is what a lost marker left: its members hold no more, none revives)
   local pttl = redis.call('PTTL', KEYS[1])
   if pttl < 0 then pttl = ttl end
   redis.call('DEL', KEYS[5])
-  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text, now + pttl, alone)
+  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. fence, now + pttl, alone)
   local keep = math.max(pttl, ttl)
   redis.call('SET', KEYS[1], 'shared', 'PX', keep)
   redis.call('PEXPIRE', KEYS[5], keep)
 else
-  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. text)
+  redis.call('ZADD', KEYS[5], now + ttl, ARGV[1] .. ':' .. fence)
   redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
   if redis.call('PEXPIRE', KEYS[5], ttl, 'GT') == 0 and redis.call('PTTL', KEYS[5]) == -1 then
     -- (the set was gone beside the marker: our ZADD made it anew, GT leaves it without expiry)
     redis.call('PEXPIRE', KEYS[5], ttl)
   end
 end
-return {1, fence}
+return {1, tonumber(fence)}
 """,
 )
 
