@@ -23,6 +23,13 @@ from Lua costs from about 0.4 µs (a read of an absent key) to 2 µs (a key made
 removed, with its ``DEL``), and a script call about 2 µs (history.md, "Server time per
 cycle"), so the count is a guide, not the figure.
 
+``--instructions`` counts instead the server's instructions per cycle (valgrind's
+callgrind, on a ``redis-server`` of its own): all of them, and those inside the
+commands the kind sends (``call()``: what ``commandstats`` times). Instructions are not
+µs (a cache miss costs more than an add), but the count is the same in every run,
+whatever else the machine does: an A/B of a script's change reads it where the µs
+move by 10 to 40% from run to run.
+
 The recipes: ``SET NX PX`` + an ``EVALSHA`` owner-checked ``DEL`` (no fencing token, no
 wake-up: the floor), and a minimal fenced lock with a wake-up check (``SET NX PX`` +
 ``INCR`` + ``PEXPIRE`` of the counter; an ``EVALSHA`` release that ``GET``s, ``DEL``s,
@@ -33,18 +40,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from redis.asyncio import Redis
 
 import asynclock
 from asynclock.testing import RedisServer
 
-__all__ = ["KINDS", "Kind", "ServerTime", "count_commands", "measure", "render", "server_section"]
+__all__ = [
+    "KINDS",
+    "Kind",
+    "ServerTime",
+    "count_commands",
+    "count_instructions",
+    "measure",
+    "render",
+    "render_instructions",
+    "server_section",
+]
 
 _DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -228,6 +252,103 @@ async def _calls(client: Redis) -> int:
     return sum(int(v.get("calls", 0)) for k, v in stats.items() if k not in left_out)
 
 
+async def count_instructions(
+    cycles: int = 300, kinds: Sequence[Kind] = KINDS
+) -> dict[str, tuple[float, float]]:
+    """Instructions of a private ``redis-server`` (run under valgrind's callgrind) per
+    uncontended cycle of each kind (by label), over ``cycles`` cycles after a warm-up:
+    (all of the server's, those inside the commands it was sent: ``call()`` and what it
+    calls, 0 when the binary does not name it). Needs ``valgrind`` and ``redis-server``
+    on PATH (raises ``FileNotFoundError`` naming the one missing)."""
+    for tool in ("valgrind", "callgrind_control", "callgrind_annotate", "redis-server"):
+        if shutil.which(tool) is None:
+            raise FileNotFoundError(f"{tool} is not on PATH")
+    with socket.socket() as probe_port:
+        probe_port.bind(("127.0.0.1", 0))
+        port = probe_port.getsockname()[1]
+    with tempfile.TemporaryDirectory() as scratch:
+        dumps = Path(scratch)
+        server = await asyncio.create_subprocess_exec(
+            "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={dumps}/out.%p", "redis-server", "--port", str(port),
+            "--save", "", "--appendonly", "no",
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = Redis(port=port)
+        try:
+            for _ in range(300):  # (valgrind starts the server in a few seconds)
+                try:
+                    await client.ping()
+                    break
+                except (ConnectionError, OSError):
+                    await asyncio.sleep(0.1)
+            await asyncio.to_thread(_control, server.pid, "-i", "on")
+            counts = {}
+            for index, kind in enumerate(kinds):
+                cycle = kind.make(client, f"count:{uuid.uuid4().hex[:6]}:")
+                for _ in range(30):
+                    await cycle()
+                await asyncio.to_thread(_control, server.pid, "-z")
+                for _ in range(cycles):
+                    await cycle()
+                await asyncio.to_thread(_control, server.pid, "-d", f"kind{index}")
+                dump = await asyncio.to_thread(_dump_of, dumps, f"kind{index}")
+                total, in_call = await asyncio.to_thread(_instructions, dump)
+                counts[kind.label] = (total / cycles, in_call / cycles)
+        finally:
+            await client.aclose()
+            server.terminate()
+            await server.wait()
+    return counts
+
+
+def _control(pid: int, *args: str) -> None:
+    """``callgrind_control`` of the server ``pid`` (instrumentation, zero, dump)."""
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
+
+
+def _dump_of(dumps: Path, trigger: str) -> Path:
+    """The callgrind dump written for ``callgrind_control -d trigger`` (it may lag)."""
+    for _ in range(100):
+        for path in dumps.iterdir():
+            if f"Trigger: dump {trigger}\n" in path.read_text(errors="replace"):
+                return path
+        time.sleep(0.1)
+    raise TimeoutError(f"callgrind wrote no dump for {trigger}")
+
+
+def _instructions(dump: Path) -> tuple[int, int]:
+    """(instructions in all, inclusive instructions of ``call``) of a callgrind dump."""
+    report = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", str(dump)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    total = re.search(r"^\s*([\d,]+) .*PROGRAM TOTALS", report, re.MULTILINE)
+    in_call = re.search(r"^\s*([\d,]+) \(.*\)\s+\S*:call \[", report, re.MULTILINE)
+    return tuple(  # type: ignore[return-value]
+        int(found.group(1).replace(",", "")) if found else 0 for found in (total, in_call)
+    )
+
+
+def render_instructions(counts: dict[str, tuple[float, float]]) -> list[str]:
+    """The table of ``counts`` (:func:`count_instructions`), each against the first kind's
+    and the mutex's instructions inside the commands."""
+    labels = list(counts)
+    base, mutex = counts[labels[0]][1], counts.get("asynclock mutex", (0.0, 0.0))[1]
+    lines = [
+        "| cycle | server instructions per cycle (thousands) | in the commands sent "
+        "| ÷ the recipe | ÷ the mutex |",
+        "|---|---|---|---|---|",
+    ]
+    for label, (total, in_call) in counts.items():
+        against = f"{in_call / mutex:.2f}x" if mutex else "-"
+        ratio = f"{in_call / base:.2f}x" if base else "-"
+        lines.append(
+            f"| {label} | {total / 1000:.1f} | {in_call / 1000:.1f} | {ratio} | {against} |"
+        )
+    return lines
+
+
 def render(
     figures: dict[str, float],
     commands: dict[str, float] | None = None,
@@ -296,7 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks")
     parser.add_argument("--url", help="measure on this server (else a private one)")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count the server's instructions per cycle instead (valgrind's callgrind)",
+    )
     args = parser.parse_args(argv)
+    if args.instructions:
+        if args.url:
+            parser.error("--instructions runs a server of its own: no --url")
+        counts = asyncio.run(count_instructions(100 if args.quick else 300))
+        print("\n".join(render_instructions(counts)))
+        return 0
     blocks, per_block = (4, 200) if args.quick else (10, 500)
     if args.url:
         figures = asyncio.run(measure(args.url, blocks, per_block))

@@ -3,6 +3,7 @@ every scenario and peer) replaces the committed ``benchmarks/results.*`` (issue 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -14,6 +15,7 @@ import pytest
 
 from asynclock.testing import available_engines
 from benchmarks.harness import main
+from benchmarks.server import KINDS, count_instructions
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = [ROOT / "benchmarks" / f"results.{ext}" for ext in ("json", "md", "png")]
@@ -85,3 +87,19 @@ def test_a_quick_run_writes_a_fresh_folder(tmp_path: Path) -> None:
     assert (folder / "results.md").exists()
     assert f"results in {folder}/" in done.stdout
     assert _digests() == before
+
+
+@pytest.mark.skipif(
+    not (shutil.which("valgrind") and shutil.which("redis-server")),
+    reason="no valgrind or no redis-server on PATH",
+)
+def test_instructions_are_counted_per_cycle_under_callgrind() -> None:
+    """``python -m benchmarks.server --instructions``: the server's instructions per cycle
+    of a kind, all and inside the commands sent (those fewer), the mutex above the
+    recipe (two scripts and seven commands against one script and three)."""
+    recipe, mutex = KINDS[0], next(k for k in KINDS if k.label == "asynclock mutex")
+    counts = asyncio.run(count_instructions(40, (recipe, mutex)))
+    (all_recipe, in_recipe), (all_mutex, in_mutex) = counts[recipe.label], counts[mutex.label]
+    assert 0 < in_recipe < all_recipe
+    assert 0 < in_mutex < all_mutex
+    assert in_mutex > 2 * in_recipe
