@@ -483,9 +483,10 @@ async def test_a_user_without_the_channels_is_warned_and_waits_for_the_time_left
 async def test_a_renewal_refused_by_the_acl_loses_the_lease_at_once(
     server: RedisServer, prefix: str
 ) -> None:
-    """The user loses ``+pexpire`` (called by the renewal script) while a lease is held:
-    its next renewal is refused, and the block is cancelled then, with LockLost whose
-    cause names the rule, long before the lease's deadline; never SUSPECT."""
+    """The user loses ``+pexpire`` (called by the renewal script) and ``+set`` (the
+    renewal as one command, on Valkey) while a lease is held: its next renewal is
+    refused, and the block is cancelled then, with LockLost whose cause names the rule,
+    long before the lease's deadline; never SUSPECT."""
     create_user(server, acl_setuser("--prefix", prefix))
     client = Redis.from_url(user_url(server))
     kinds: list[LeaseEventKind] = []
@@ -495,7 +496,7 @@ async def test_a_renewal_refused_by_the_acl_loses_the_lease_at_once(
             async with asynclock.lease(
                 client, "r", ttl=6, prefix=prefix, on_event=lambda e: kinds.append(e.kind)
             ):
-                assert server.command("ACL", "SETUSER", USER, "-pexpire") == b"+OK\r\n"
+                assert server.command("ACL", "SETUSER", USER, "-pexpire", "-set") == b"+OK\r\n"
                 await asyncio.sleep(30)
         lost_after = time.monotonic() - started
     finally:

@@ -55,7 +55,8 @@ DIRECT: Final[Mapping[str, str]] = {
     "unsubscribe": "... and stop listening when the last waiter of a lock leaves",
     "ping": "the heartbeat of that subscription connection",
     "wait": "leases with min_replicas wait for their replicas after each write",
-    "set": "every(): the claim of a tick (the server whose claim lands runs it)",
+    "set": "every(): the claim of a tick (the server whose claim lands runs it); a plain "
+    "lease's renewal on Valkey 8.1 and later (SET ... IFEQ)",
     "del": "forget(): a stored result of once()",
     "hmget": "once(): the result read back when Redis did not answer whether it stored it",
     "get": "inspect(): the holder's value and the fencing counter",
@@ -89,6 +90,8 @@ TOLERATED: Final[Mapping[str, str]] = {
     "waitaof": "wait_aof=True only (Redis/Valkey 7.2 and later; Redis 7.0 refuses "
     "the rule): add +waitaof for it",
     "select": "sent by redis-py on connecting to a database other than 0: add +select",
+    "hello": "a client's first lease asks the server's name and version (to renew by "
+    "SET ... IFEQ where it can); allowed without a rule, and a refusal leaves the scripts",
 }
 """Commands that may be sent but are left out of the rules, and why: each is refused
 without harm, or needed only by an option or a setting that the notes name."""

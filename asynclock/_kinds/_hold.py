@@ -43,7 +43,9 @@ class Hold:
     of the kind); ``release`` gives the lease back (its arguments: our value, the lock's
     channel, our origin, and the milliseconds to keep the key for ``hold_at_least``, if
     any); ``hands_over``: a release may hand the key to the next waiter of its client
-    (HANDOFF: a plain lock's, not a fair one's);
+    (HANDOFF: a plain lock's, not a fair one's); ``plain``: its renewal is RENEW, an
+    owner-checked ``PEXPIRE`` of its one key, which a server that has ``SET ... IFEQ``
+    does as one command (``_redis._scripts.SET_IF_EQUAL_HEAD``);
     ``verify`` reads whether it is still ours (``is_held(verify=True)``) with ``keys``
     and our value (by default a ``GET`` of its own key compared with our value).
     """
@@ -55,11 +57,12 @@ class Hold:
     release: Script
     hands_over: bool = False
     verify: Script = IS_OURS
+    plain: bool = False
 
 
 def of_lock(options: LeaseOptions) -> Hold:
     """A lease of the lock's own key (a mutex, a fair lock, a job of ``once()``)."""
-    return Hold(options, (options.key,), RENEW, RENEW_HEAD, RELEASE, not options.fair)
+    return Hold(options, (options.key,), RENEW, RENEW_HEAD, RELEASE, not options.fair, plain=True)
 
 
 def of_permit(options: LeaseOptions, slot: int) -> Hold:

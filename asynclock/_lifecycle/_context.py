@@ -499,7 +499,7 @@ async def _take(
         companion.check_not_holding(options.base_key, options.name)
     kind = _kind(options, companion, job)
     companion.retain()
-    companion.check_eviction_once()
+    companion.check_server_once()
     try:
         token, grant = await acquire_by(companion, options, kind)
     except (JobDone, JobConflict):

@@ -42,6 +42,7 @@ from .._base._shield import ExcType, Traceback, cancel_dropped, cancelling
 from .._kinds._hold import Hold
 from .._redis._cluster import cluster_of, node_at
 from .._redis._scripts import (
+    SET_IF_EQUAL_HEAD,
     Arg,
     Script,
     run_idempotent,
@@ -91,6 +92,7 @@ class Tenure:
         "acquired_at",
         "asking",
         "backoff",
+        "by_command",
         "closing",
         "companion",
         "deadline",
@@ -131,6 +133,7 @@ class Tenure:
         # Packed into the renew command's arguments at the first renewal (see renew_tail).
         # (``suffix``: a job's fingerprint, ":<digest>", kept in the value while it runs)
         self.value: str | bytes = f"{token}:{fencing_token}{suffix}"
+        self.by_command = False  # (value packed for SET ... IFEQ: see renew_tail)
         self.last_send = t_send
         self.acquired_at = t_send  # (for the hold time events report)
         self.deadline = options.safe_until(t_send)
@@ -479,19 +482,36 @@ class Tenure:
 
     @property
     def renew_head(self) -> bytes:
-        return self.hold.renew_head
+        """The start of the renew command whose rest ``renew_tail`` packed last (call
+        that first): the script's ``EVALSHA``, or ``SET`` (``SET_IF_EQUAL_HEAD``)."""
+        return SET_IF_EQUAL_HEAD if self.by_command else self.hold.renew_head
 
     def renew_tail(self) -> bytes:
-        """The keys and arguments of this lease's renew call in RESP (they never change):
-        its hold's keys, its value, its ttl in ms. Packed at the first renewal; from then
-        on they are the only copy of the value (see ``owner``), which keeps a held lease
-        small."""
+        """The keys and arguments of this lease's renew command in RESP: its hold's
+        keys, its value, its ttl in ms; or, for a plain hold on a server that renews by
+        command (``Companion.renews_by_command``), ``key value IFEQ value PX ttl``.
+        Packed at the first renewal, again only when the server's way changes; from then
+        on they are the only copy of the value (see ``owner``: the value follows the
+        one key in both), which keeps a held lease small."""
         value = self.value
+        by_command = self.hold.plain and self.companion.renews_by_command
         if isinstance(value, bytes):
-            return value
-        packed = self.companion.pack_args(*self.hold.keys, value, self.options.ttl_ms)
-        self.value = packed
+            if by_command is self.by_command:
+                return value
+            value = self.owner()
+        ttl_ms = self.options.ttl_ms
+        if by_command:
+            packed = self.companion.pack_args(self.options.key, value, "IFEQ", value, "PX", ttl_ms)
+        else:
+            packed = self.companion.pack_args(*self.hold.keys, value, ttl_ms)
+        self.value, self.by_command = packed, by_command
         return packed
+
+    def renew_by_script(self) -> None:
+        """The server refused a renewal sent as ``SET ... IFEQ`` (see
+        ``_redis._scripts.refused_as_command``): every lease of the client renews by
+        its script from now on (``renew_tail`` packs it anew)."""
+        self.companion.renews_by_command = False
 
     def found_not_ours(self) -> None:
         """A renewal or a read-back of ours found the key not ours: lost, unless the

@@ -35,6 +35,7 @@ from .._base._exceptions import LockLost, LossReason, ReplicationTimeout
 from .._base._options import replicas_confirmed
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
+from .._redis._scripts import refused_as_command, renewed
 from .._session._connections import Companion
 from ._release import Wake, after_release, release
 
@@ -98,19 +99,27 @@ async def _renew_and_wait(
     replicas that acknowledged, or ``_NOT_OURS`` if the renewal found the key not ours.
     Raises the error reply of either command (READONLY after a failover, say)."""
     companion = held.companion
-    packed = b"".join((held.renew_head, held.renew_tail(), *(companion.pack(*c) for c in commands)))
+    waits = b"".join(companion.pack(*c) for c in commands)
     count = 1 + len(commands)
+
+    def packed() -> bytes:
+        tail = held.renew_tail()  # (first: it says which head goes before it)
+        return held.renew_head + tail + waits
+
     # (on the lane: its connections stay open while leases come and go, where a pool
     # of our own would be closed with the last lease and reopened by the next)
-    replies = await _send(companion, packed, count, wait_ms)
+    replies = await _send(companion, packed(), count, wait_ms)
+    if held.by_command and refused_as_command(replies[0]):  # (see Watchdog._send)
+        held.renew_by_script()
+        replies = await _send(companion, packed(), count, wait_ms)
     if isinstance(replies[0], NoScriptError):  # (a fresh or restarted server)
         with connection_errors():
             await companion.client.script_load(held.renew_script.source)
-        replies = await _send(companion, packed, count, wait_ms)
+        replies = await _send(companion, packed(), count, wait_ms)
     for reply in replies:
         if isinstance(reply, BaseException):
             raise reply
-    if replies[0] != 1:
+    if not renewed(replies[0]):
         return _NOT_OURS
     return replicas_confirmed(replies[-1])
 

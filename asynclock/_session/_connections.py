@@ -48,7 +48,7 @@ from .._redis._cluster import cluster_of, holding_of, is_sharded, mark_sharded
 from .._redis._compat import fit_settings
 from .._redis._lane import Lane, reaches_another
 from .._redis._leftovers import forget_closed_loops, idle_connections, pool_connections
-from .._redis._scripts import ABANDON, Arg, pack, pack_args, run_idempotent
+from .._redis._scripts import ABANDON, Arg, has_set_if_equal, pack, pack_args, run_idempotent
 from .._redis._valkey import family_of, sentinel_classes, valkey_errors
 from ._wakeup import WaitingRoom
 from ._watchdog import Watchdog
@@ -119,9 +119,9 @@ class Companion:
     waiter that left); the lane (the hot path's exchange on the caller's pool); packing
     commands in the client's encoding (``pack``, ``pack_args``); the register of the
     blocks and guards open per task (``holding``, ``left``, ``check_not_holding``:
-    leases are not re-entrant); the undo of an abandoned attempt (``abandon_call``); the one-time
-    eviction check; and its own lifetime (``retain``, ``unretain``, ``aclose_if_idle``,
-    ``forget``)."""
+    leases are not re-entrant); the undo of an abandoned attempt (``abandon_call``); the
+    one-time server check (``check_server_once``); and its own lifetime (``retain``,
+    ``unretain``, ``aclose_if_idle``, ``forget``)."""
 
     def __init__(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
@@ -141,7 +141,10 @@ class Companion:
         sentinel = isinstance(pool, sentinel_classes()[0]) and pool.is_master
         self.watchdog = Watchdog(loop, self.renewer, self._follow_primary if sentinel else None)
         self._users = 0
-        self._eviction_check: asyncio.Task[object] | None = None  # (in the room's background)
+        self._server_check: asyncio.Task[object] | None = None  # (in the room's background)
+        self.renews_by_command = False
+        """The server renews a plain lease by ``SET ... IFEQ`` (learnt by
+        ``check_server_once``; off again for good once it refuses one)."""
         # (lease key, task) -> how many blocks and guards of that lock the task is in: a
         # task that enters a lock it holds would wait for itself forever (see holding).
         # (One register for all the nodes of a cluster: a lock's slot moves between them.)
@@ -162,7 +165,7 @@ class Companion:
             return False
         self.watchdog.idle()
         clients = self._renewer is not None or self._overflow is not None
-        return clients or self.room.open or self.watchdog.running  # (open: the eviction check)
+        return clients or self.room.open or self.watchdog.running  # (open: the server check)
 
     def check_not_holding(self, key: str, name: str) -> None:
         """Raise ``RuntimeError`` if the current task is inside a block or a guard of the
@@ -284,15 +287,21 @@ class Companion:
         finally:
             self.room.wake(channel)  # (its notification is our own: we ignore those)
 
-    def check_eviction_once(self) -> None:
-        """Warn once per client if the server may evict lock keys (in the background).
+    def check_server_once(self) -> None:
+        """Once per client, in the background: learn whether the server renews by
+        command (``renews_by_command``), and warn if it may evict lock keys.
 
         Under any ``maxmemory-policy`` but ``noeviction`` (with ``maxmemory`` set), Redis
         may delete a held lease's key to free memory, and another client can then take
-        the lock. Skipped quietly where ``CONFIG`` is not allowed or fails.
+        the lock. Each check is skipped quietly where its command is not allowed or
+        fails (leases then renew by script).
         """
-        if self._eviction_check is None:  # (work of the room's: its aclose cancels it first)
-            self._eviction_check = self.room.in_background(_warn_if_evicting(self.client))
+        if self._server_check is None:  # (work of the room's: its aclose cancels it first)
+            self._server_check = self.room.in_background(self._check_server())
+
+    async def _check_server(self) -> None:
+        self.renews_by_command = await has_set_if_equal(self.client)
+        await _warn_if_evicting(self.client)
 
     def forget(self) -> None:
         """This companion's loop has closed: disconnect its own connections without that
@@ -313,7 +322,7 @@ class Companion:
         if self._users:
             return
         # The room first: work in its background (giving back a key granted to a waiter
-        # that left, and the eviction check) runs on the lane, the overflow pool or the
+        # that left, and the server check) runs on the lane, the overflow pool or the
         # client, and must end before they close.
         await self.room.aclose()  # (it stays open while anyone waits)
         if self._users:

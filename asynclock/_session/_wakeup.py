@@ -249,7 +249,7 @@ class WaitingRoom:
 
     def in_background(self, work: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         """Run ``work`` as a task of this room's, cancelled if the room is closed first
-        (the companion's work in passing too: its eviction check)."""
+        (the companion's work in passing too: its server check)."""
         task = asyncio.get_running_loop().create_task(work, name="asynclock-background")
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -55,7 +55,7 @@ from .._base._options import LeaseOptions, replicas_confirmed
 from .._redis._compat import connection_errors
 from .._redis._lane import exchange
 from .._redis._refusals import explain, is_refusal
-from .._redis._scripts import ASKING, Script, pack
+from .._redis._scripts import ASKING, Script, pack, refused_as_command, renewed
 
 __all__ = ["Watchdog", "Watched", "report_stall"]
 
@@ -99,9 +99,12 @@ class Watched(Protocol):
     def note_backoff(self, backoff: float) -> None: ...
     @property
     def renew_script(self) -> Script: ...  # the kind's renew script (reloaded on NOSCRIPT)
+    def renew_tail(self) -> bytes: ...  # its renew command's keys and arguments, packed
     @property
-    def renew_head(self) -> bytes: ...  # its packed EVALSHA command up to the key
-    def renew_tail(self) -> bytes: ...  # the rest: the lease's own keys and arguments
+    def renew_head(self) -> bytes: ...  # the command up to them (ask renew_tail first)
+    @property
+    def by_command(self) -> bool: ...  # renewed by SET ... IFEQ, not a script
+    def renew_by_script(self) -> None: ...  # the server refused that: scripts from now on
     @property
     def asking(self) -> bool: ...  # its renewal goes after ASKING (see Tenure.moved)
     def confirm(self, t_send: float, safe_until: float | None = None) -> bool: ...
@@ -298,7 +301,7 @@ class Watchdog:
         if isinstance(reply, BaseException):
             self._retry(lease, reply)  # (or refused: see _retry)
             return False
-        if reply != 1:
+        if not renewed(reply):
             lease.found_not_ours()
             return False
         if confirmed.error is not None and is_refusal(confirmed.error):
@@ -324,29 +327,29 @@ class Watchdog:
         earliest = min(lease.deadline for lease in batch)
         limit_at = min(earliest, t_send + min(lease.options.ttl for lease in batch) / 3)
         client = self._renewer()
-        parts: list[bytes] = []
-        asked: list[int] = []  # (where the replies of ASKING come, to drop them)
-        for i, lease in enumerate(batch):  # (each lease's kind says how it is renewed)
-            if lease.asking:
-                asked.append(i + len(asked))  # (after i renewals and the ASKINGs before)
-                parts.append(ASKING)
-            parts += (lease.renew_head, lease.renew_tail())
+        renewals, asked = _pack(batch)
         count = len(batch) + len(asked)
         wanted = max(lease.options.min_replicas for lease in batch)
-        steps, wait_ms = 1, 0
+        steps, wait_ms, confirmation = 1, 0, b""
         if wanted:  # (see _lifecycle/_replicas: WAIT confirms every write before it)
             options = batch[0].options  # (all of the batch wait_aof or none: see _fire)
             steps = options.confirmation_steps
             wait_ms = min(lease.options.replica_wait_ms for lease in batch)
             wait_ms = max(1, min(wait_ms, int((limit_at - t_send) * 500) // steps))  # half
-            for command in options.confirmation(wanted, wait_ms):
-                parts.append(pack(command, "utf-8", "strict"))
-                count += 1
-        packed = b"".join(parts)
+            commands = options.confirmation(wanted, wait_ms)
+            confirmation = b"".join(pack(command, "utf-8", "strict") for command in commands)
+            count += len(commands)
         async with asyncio.timeout_at(limit_at):
             if self._locate is not None:  # (t_send stays before it: the earlier, the safer)
                 await self._locate((t_send + limit_at) / 2)
-            replies = await exchange(client, packed, count)
+            replies = await _exchange(client, renewals + confirmation, count, asked)
+            if _command_refused(batch, replies):
+                # The server will not renew by command (full, an ACL without +set, an
+                # older server after a failover): by script from now on, sent again.
+                batch[0].renew_by_script()  # (the client's: every lease of the batch)
+                renewals = _pack(batch)[0]
+                t_send = self._loop.time()
+                replies = await _exchange(client, renewals + confirmation, count, asked)
             if any(isinstance(reply, NoScriptError) for reply in replies):
                 # A restarted or failed-over server forgot the scripts: load the batch's
                 # (each once), resend.
@@ -354,9 +357,7 @@ class Watchdog:
                     for source in {lease.renew_script.source: None for lease in batch}:
                         await client.script_load(source)
                 t_send = self._loop.time()
-                replies = await exchange(client, packed, count)
-        for index in reversed(asked):
-            del replies[index]
+                replies = await _exchange(client, renewals + confirmation, count, asked)
         if not wanted:
             return t_send, replies, _NONE_ASKED
         last = replies[-1]
@@ -419,6 +420,37 @@ class Watchdog:
         lease.note_backoff(min(backoff * 2, lease.options.ttl / 10, 1.0))
         pause = backoff * random.uniform(0.5, 1.0)
         self.schedule(lease, min(now + pause, lease.deadline))
+
+
+def _pack(batch: list[Watched]) -> tuple[bytes, list[int]]:
+    """The batch's renewals in RESP, each after ``ASKING`` where its lease needs it, and
+    where the replies of those ``ASKING`` come (to drop them)."""
+    parts: list[bytes] = []
+    asked: list[int] = []
+    for i, lease in enumerate(batch):  # (each lease's kind says how it is renewed)
+        if lease.asking:
+            asked.append(i + len(asked))  # (after i renewals and the ASKINGs before)
+            parts.append(ASKING)
+        tail = lease.renew_tail()  # (first: it says which head goes before it)
+        parts += (lease.renew_head, tail)
+    return b"".join(parts), asked
+
+
+def _command_refused(batch: list[Watched], replies: list[object]) -> bool:
+    """Whether the server refused a renewal of ``batch`` sent as a command (see
+    ``refused_as_command``; ``replies``: one per lease first)."""
+    return any(
+        lease.by_command and refused_as_command(reply)
+        for lease, reply in zip(batch, replies, strict=False)  # (WAIT's reply after them)
+    )
+
+
+async def _exchange(client: Redis, packed: bytes, count: int, asked: list[int]) -> list[object]:
+    """``exchange``, the replies of the ``ASKING`` at ``asked`` left out."""
+    replies = await exchange(client, packed, count)
+    for index in reversed(asked):
+        del replies[index]
+    return replies
 
 
 def _refused(lease: Watched, error: BaseException) -> None:
