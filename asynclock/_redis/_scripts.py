@@ -576,7 +576,7 @@ def _text(value: object) -> str:
 def renewed(reply: object) -> bool:
     """Whether a renewal's reply says renewed: a renew script's 1, ``SET ... IFEQ``'s OK
     (its nil, or a script's 0: the key is not ours)."""
-    return not isinstance(reply, BaseException) and reply in _RENEWED
+    return isinstance(reply, int | bytes | str) and reply in _RENEWED
 
 
 def refused_as_command(reply: object) -> bool:
