@@ -6,7 +6,6 @@ I/O: a bad argument raises ``TypeError`` or ``ValueError`` whose message names i
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import warnings
@@ -224,6 +223,10 @@ class LeaseOptions:
     """The TTL in whole milliseconds (at least 1), as sent to Redis."""
     fence_ttl_ms: int = field(init=False)
     """The fencing counter's retention in whole milliseconds, as sent to Redis."""
+    _permits: dict[int, LeaseOptions] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """A semaphore's options for each of its permits held so far, by slot (``permit``)."""
 
     def __post_init__(self) -> None:
         base = f"{self.prefix}{{{self.name}}}"
@@ -267,8 +270,17 @@ class LeaseOptions:
     server ms)."""
 
     def permit(self, slot: int) -> LeaseOptions:
-        """These options for a permit held in ``slot`` (its own key; cached)."""
-        return _permit(self, slot)
+        """These options for a permit held in ``slot`` (its own key), made once per slot
+        and kept with these options (at most ``limit``: a process holding every permit
+        of ten semaphores of 1000 keeps 10,000, where one cache for all would churn)."""
+        permits = self._permits
+        if permits is None:
+            permits = {}
+            object.__setattr__(self, "_permits", permits)
+        found = permits.get(slot)
+        if found is None:
+            found = permits[slot] = replace(self, slot=slot)
+        return found
 
     waiting_key = _Named(":waiting")
     """The hash in which blocking waits register their client (see ``HANDOFF``)."""
@@ -357,12 +369,6 @@ class LeaseOptions:
                 _BUILT.clear()
             _BUILT[key] = options
         return options
-
-
-@functools.lru_cache(maxsize=_BUILT_MAX)
-def _permit(options: LeaseOptions, slot: int) -> LeaseOptions:
-    """See ``LeaseOptions.permit``."""
-    return replace(options, slot=slot)
 
 
 def _check_name(name: object) -> str:
