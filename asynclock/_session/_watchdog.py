@@ -32,7 +32,11 @@ travel, so ten thousand leases cost one task and a pipeline per tick, not ten th
 tasks, and nothing runs between renewals. Each batch runs as a task of its own, so one
 hung batch cannot delay the next. The leases a batch renewed are due again together, so
 they go back on the timeline as one entry: a held lease costs the timeline a list slot,
-not an entry of its own.
+not an entry of its own. So do leases taken in a burst: one due within the coalescing
+window after the entry last scheduled joins that entry (its renewal would travel in that
+entry's batch anyway), so ten thousand permits taken in a second cost the timeline a few
+dozen entries until their first renewal, not an entry (a tuple and a list for the
+garbage collector to scan) each.
 """
 
 from __future__ import annotations
@@ -156,6 +160,9 @@ class Watchdog:
         self._order = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._at = math.inf
+        # The entry ``schedule`` last put on the timeline, while it is there: the leases
+        # due within the window after it join it (see the design note).
+        self._recent: tuple[float, int, list[Watched]] | None = None
         self._batches: set[asyncio.Task[None]] = set()
         self._closing = False  # set while aclose() cancels the batches in flight
 
@@ -166,14 +173,25 @@ class Watchdog:
 
     def schedule(self, lease: Watched, due: float) -> None:
         """Look at ``lease`` at loop time ``due``: renew it then, or declare it lost if its
-        ``safe_until`` has passed by then. Only for a lease not already waiting."""
-        self._schedule_group([lease], due)
+        ``safe_until`` has passed by then. Only for a lease not already waiting. A renewal
+        due at most one window after the entry last scheduled here joins that entry (the
+        batch sent when it comes up takes it anyway)."""
+        recent = self._recent
+        if recent is not None and due < lease.deadline:  # (a deadline check goes alone)
+            at, _, group = recent
+            ttl = lease.options.ttl
+            if at <= due <= at + min(_WINDOW, ttl / 30) and group[0].options.ttl == ttl:
+                lease.watch(at)  # (``at`` itself: _fire knows its entries by identity)
+                group.append(lease)
+                return
+        self._recent = self._schedule_group([lease], due)
 
     def idle(self) -> None:
         """No lease of the client is held any more: forget every schedule. The timer stays
         armed (it finds nothing to do), so a client that takes short leases one after
         another arms no timer per lease."""
         self._timeline.clear()
+        self._recent = None
 
     async def aclose(self) -> None:
         """Stop renewing and wait for renewals in flight to be cancelled."""
@@ -202,7 +220,8 @@ class Watchdog:
                 window = min(_WINDOW, group[0].options.ttl / 30)  # (a group shares one ttl)
             if due > now + window:
                 break
-            heapq.heappop(timeline)
+            if heapq.heappop(timeline) is self._recent:
+                self._recent = None  # (off the timeline: no lease may join it now)
             for i, lease in enumerate(group):
                 if lease.due is not due or not lease.active:
                     continue  # rescheduled since, or ended (the lease's own float marks it)
@@ -366,17 +385,22 @@ class Watchdog:
         del replies[len(batch) :]
         return t_send, replies, confirmed
 
-    def _schedule_group(self, leases: list[Watched], due: float) -> None:
+    def _schedule_group(
+        self, leases: list[Watched], due: float
+    ) -> tuple[float, int, list[Watched]]:
         for lease in leases:
             lease.watch(due)
-        self._push(due, leases)
+        entry = self._push(due, leases)
         if due < self._at:
             self._arm(due)
+        return entry
 
-    def _push(self, due: float, leases: list[Watched]) -> None:
+    def _push(self, due: float, leases: list[Watched]) -> tuple[float, int, list[Watched]]:
         """Put ``leases`` on the timeline at ``due``, without arming its timer (``_fire``
-        re-arms it when it is done)."""
-        heapq.heappush(self._timeline, (due, next(self._order), leases))
+        re-arms it when it is done); returns the entry."""
+        entry = (due, next(self._order), leases)
+        heapq.heappush(self._timeline, entry)
+        return entry
 
     def _arm(self, at: float) -> None:
         if self._timer is not None:
@@ -389,6 +413,7 @@ class Watchdog:
 
     def _cancel_timeline(self) -> None:
         self._timeline.clear()
+        self._recent = None
         if self._timer is not None:
             self._timer.cancel()
         self._timer, self._at = None, math.inf
