@@ -173,3 +173,31 @@ async def test_a_lease_whose_handling_raises_is_failed_and_the_others_go_on(
         assert [entry[2] for entry in dog._timeline] == [[renewed[0], renewed[2]]]
     finally:
         dog._cancel_timeline()
+
+
+async def test_leases_due_within_the_window_share_the_entry_scheduled_last(
+    batches: list[list[str]],
+):
+    """A burst of leases costs the timeline one entry per window, not one each; a
+    retry, a deadline check or a lease due past the window gets an entry of its own."""
+    loop = asyncio.get_running_loop()
+    dog = Watchdog(loop, lambda: cast(Any, None))
+    base = loop.time() + 1000
+    try:
+        first, second, later = (Standin(n, base + 2) for n in ("first", "second", "later"))
+        retry, check = Standin("retry", base + 2), Standin("check", base + 0.03)
+        retry.backoff = 0.05
+        dog.schedule(cast(Any, first), base)
+        dog.schedule(cast(Any, second), base + 0.01)  # joins first's entry
+        dog.schedule(cast(Any, retry), base + 0.02)  # a retry: alone
+        dog.schedule(cast(Any, check), check.deadline)  # a deadline check: alone
+        dog.schedule(cast(Any, later), base + 0.2)  # past the window: alone
+        assert second.due is first.due
+        assert [len(entry[2]) for entry in sorted(dog._timeline)] == [2, 1, 1, 1]
+        dog._fire(base)
+        await settle()
+        assert batches == [["first", "second", "retry"]]
+        assert check.due is check.deadline  # (put back until its time)
+        assert later.due == base + 0.2
+    finally:
+        dog._cancel_timeline()

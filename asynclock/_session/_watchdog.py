@@ -175,9 +175,10 @@ class Watchdog:
         """Look at ``lease`` at loop time ``due``: renew it then, or declare it lost if its
         ``safe_until`` has passed by then. Only for a lease not already waiting. A renewal
         due at most one window after the entry last scheduled here joins that entry (the
-        batch sent when it comes up takes it anyway)."""
+        batch sent when it comes up takes it anyway). A retry (its backoff set) or a
+        deadline check goes alone, at its own time."""
         recent = self._recent
-        if recent is not None and due < lease.deadline:  # (a deadline check goes alone)
+        if recent is not None and lease.backoff is None and due < lease.deadline:
             at, _, group = recent
             ttl = lease.options.ttl
             if at <= due <= at + min(_WINDOW, ttl / 30) and group[0].options.ttl == ttl:
