@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import valkey.asyncio
 from helpers import commandstat, run_out_of_memory
 from redis.asyncio import Redis
 
@@ -52,6 +53,12 @@ class Renewals:
     def __call__(self, event: asynclock.LeaseEvent) -> None:
         self.kinds.append(event.kind)
         self._changed.set()
+
+    async def seen(self, kind: LeaseEventKind, within: float = 10.0) -> None:
+        async with asyncio.timeout(within):
+            while kind not in self.kinds:
+                self._changed.clear()
+                await self._changed.wait()
 
     async def more(self, n: int, within: float = 10.0) -> None:
         goal = self.kinds.count(LeaseEventKind.RENEWED) + n
@@ -137,18 +144,21 @@ async def test_permits_and_shared_leases_renew_by_their_scripts(
         await observer.aclose()
 
 
+@pytest.mark.parametrize("library", ["redis-py", "valkey-py"])
 async def test_a_server_that_refuses_the_command_is_renewed_by_script(
-    private_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+    private_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, library: str
 ) -> None:
     """A server said to have ``SET ... IFEQ`` that has not (Redis 7.0: a syntax error,
     as after a failover to an older server) gets the renew script at once, in the same
-    renewal: the lease never turns SUSPECT, and the client renews by script after."""
+    renewal: the lease never turns SUSPECT, and the client renews by script after.
+    Through either library's client (valkey-py's errors are classes of their own)."""
 
     async def claims_it(client: Redis) -> bool:
         return True
 
     monkeypatch.setattr(_connections, "has_set_if_equal", claims_it)
-    client, observer = Redis.from_url(private_server.url), Redis.from_url(private_server.url)
+    make = Redis.from_url if library == "redis-py" else valkey.asyncio.Valkey.from_url
+    client, observer = make(private_server.url), Redis.from_url(private_server.url)
     renewals = Renewals()
     try:
         async with asynclock.lease(client, "m", ttl=0.3, prefix=prefix, on_event=renewals):
@@ -267,3 +277,63 @@ async def test_on_valkey_9_a_renewal_by_command_costs_the_server_less(prefix: st
             assert spent["set"] < spent["evalsha"], spent
         finally:
             await client.aclose()
+
+
+@pytest.mark.parametrize("private_server", ["valkey"], indirect=True)
+async def test_a_passing_refusal_of_both_forms_keeps_the_renewal_by_command(
+    private_server: RedisServer, prefix: str
+) -> None:
+    """NOREPLICAS (``min-replicas-to-write`` unmet for a while) refuses the script as it
+    refuses the command: the lease turns SUSPECT meanwhile, and renews by command again
+    once writes are taken (only what the script would do differently turns it off)."""
+    client, observer = Redis.from_url(private_server.url), Redis.from_url(private_server.url)
+    renewals = Renewals()
+    try:
+        async with asynclock.lease(client, "m", ttl=1.5, prefix=prefix, on_event=renewals):
+            companion = await _server_checked(client)
+            await renewals.more(1)
+            await observer.config_set("min-replicas-to-write", 1)
+            await renewals.seen(LeaseEventKind.RENEW_FAILED)
+            await observer.config_set("min-replicas-to-write", 0)
+            sets = await commandstat(observer, "set")
+            await renewals.more(2)
+            assert await commandstat(observer, "set") - sets >= 2
+            assert companion.renews_by_command is True
+    finally:
+        await observer.config_set("min-replicas-to-write", 0)
+        await client.aclose()
+        await observer.aclose()
+
+
+@pytest.mark.parametrize("private_server", ["valkey"], indirect=True)
+async def test_a_server_check_cut_short_is_made_again_by_the_next_lease(
+    private_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's first call ends (``LockBusy``) while its server check still waits
+    for HELLO: the check is cancelled with the client's side work, and the next lease
+    makes it again, so that the client still learns to renew by command."""
+    answered = asyncio.Event()
+    real = _connections.has_set_if_equal
+
+    async def slow(client: Redis) -> bool | None:
+        await asyncio.sleep(0.2)  # (a new connection, a busy pool: HELLO comes late)
+        learnt = await real(client)
+        answered.set()
+        return learnt
+
+    monkeypatch.setattr(_connections, "has_set_if_equal", slow)
+    client, observer = Redis.from_url(private_server.url), Redis.from_url(private_server.url)
+    await observer.set(prefix + "{busy}", "someone:1", px=60_000)
+    try:
+        with pytest.raises(asynclock.LockBusy):
+            async with asynclock.lease(client, "busy", ttl=5, prefix=prefix, blocking=False):
+                pass
+        companion = companion_for(client)
+        assert companion._server_check is None  # (cancelled before it learnt anything)
+        assert companion.renews_by_command is False
+        async with asynclock.lease(client, "free", ttl=5, prefix=prefix):
+            await asyncio.wait_for(answered.wait(), 5)
+            assert companion.renews_by_command is True
+    finally:
+        await client.aclose()
+        await observer.aclose()

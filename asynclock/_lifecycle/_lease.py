@@ -384,6 +384,7 @@ class Tenure:
         if new is old:
             return False
         new.retain()
+        new.check_server_once()  # (a node of its own: whether it renews by command)
         token = self.token
         if token in old.room.in_use:  # (see WaitingRoom.in_use; discarded at release)
             old.room.in_use.discard(token)

@@ -549,16 +549,17 @@ _RENEWED: Final = frozenset((1, b"OK", "OK"))
 _SET_IF_EQUAL_SINCE: Final = {"valkey": (8, 1)}  # (server, first version with SET ... IFEQ)
 
 
-async def has_set_if_equal(client: Redis) -> bool:
+async def has_set_if_equal(client: Redis) -> bool | None:
     """Whether the server ``client`` talks to has ``SET ... IFEQ`` (by the name and
     version its ``HELLO`` gives; within 2 s). False when it does not say, or refuses:
-    renewals then go by script, as on every server before."""
+    renewals then go by script, as on every server before; None when it did not answer
+    (a connection error, the time limit, the caller's pool exhausted)."""
     try:
         async with asyncio.timeout(2.0):
             (reply,) = await exchange(client, pack(("HELLO",), *encoding_of(client)), 1)
     except Exception as exc:  # (a background task's: nothing may go unretrieved)
         log.debug("could not ask the server its name: %r", exc)
-        return False
+        return None
     if isinstance(reply, list):  # (RESP2: name, value, ...)
         reply = dict(zip(reply[::2], reply[1::2], strict=True))
     if not isinstance(reply, dict):
@@ -584,11 +585,14 @@ def refused_as_command(reply: object) -> bool:
     the renewal as that command, where RENEW would do: ``maxmemory`` reached under
     ``noeviction`` (``SET`` is refused, the script's ``PEXPIRE`` is not), an ACL without
     ``+set``, or a server that does not know ``IFEQ`` (a syntax error: after a failover
-    to an older one, say). Redirections, READONLY and LOADING are not: they say the same
-    to the script."""
-    if isinstance(reply, OutOfMemoryError) or type(reply) is ResponseError:
+    to an older one, say). Anything else (a redirection, READONLY, LOADING, NOREPLICAS,
+    WRONGTYPE...) says the same to the script. By class or by text: a valkey-py client's
+    errors are classes of their own, deriving from redis-py's (``_valkey``)."""
+    if not isinstance(reply, ResponseError):
+        return False
+    if isinstance(reply, OutOfMemoryError) or is_refusal(reply):
         return True
-    return isinstance(reply, BaseException) and is_refusal(reply)
+    return str(reply).removeprefix("ERR ").startswith("syntax error")
 
 
 # RELEASE: KEYS[1] lease key; ARGV[1] the lease's full value, ARGV[2] the release channel,

@@ -300,7 +300,15 @@ class Companion:
             self._server_check = self.room.in_background(self._check_server())
 
     async def _check_server(self) -> None:
-        self.renews_by_command = await has_set_if_equal(self.client)
+        learnt = None
+        try:
+            learnt = await has_set_if_equal(self.client)
+        finally:
+            if learnt is None:  # (no answer, or cancelled: the next lease asks again)
+                self._server_check = None
+        if learnt is None:
+            return
+        self.renews_by_command = learnt
         await _warn_if_evicting(self.client)
 
     def forget(self) -> None:
