@@ -17,6 +17,7 @@ from typing import Any, Final, cast
 
 from .._base._options import Client, LeaseOptions, is_cluster, redis_api
 from .._redis._cluster import node_client, primary_clients
+from .._redis._lane import reply_text
 from .._redis._scripts import Script
 from ._statistics import LockStatistics, statistics
 
@@ -77,10 +78,6 @@ def _seconds(pttl: int) -> float | None:
     return pttl / 1000 if pttl >= 0 else None
 
 
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> LockInfo:
     """What holds the lock ``name`` and who waits for it: two round trips, nothing
     written. Works for every kind of lock.
@@ -129,7 +126,7 @@ async def inspect(redis: Client, name: str, *, prefix: str = "asynclock:") -> Lo
         permits_in_use=stats.permits_in_use,
         limit=stats.limit,
         fence_retention=retention.get("fence"),  # (one PTTL read: the two agree)
-        last_fencing_token=int(_text(last)) if last is not None else None,
+        last_fencing_token=int(reply_text(last)) if last is not None else None,
         retention=retention,
     )
 
@@ -139,7 +136,7 @@ def _exclusive_holder(value: object) -> tuple[str | None, int | None]:
     holds, ``<token>:<fencing token>[:...]``; (None, None) for none (or ``shared``)."""
     if value is None:
         return None, None
-    text = _text(value)
+    text = reply_text(value)
     if text == "shared" or text.startswith("shared:"):  # (shared holders: see SHARED_ACQUIRE)
         return None, None
     token, _, rest = text.partition(":")
@@ -150,7 +147,7 @@ def _exclusive_holder(value: object) -> tuple[str | None, int | None]:
 def _permit_holders(held: list[tuple[object, int]]) -> tuple[int | None, float | None]:
     """The highest fencing token of the permits ``held`` (value, pttl in ms), and the
     seconds left of the one that expires first (None: none expires)."""
-    tokens = [_text(value).split(":")[1] for value, _ in held]
+    tokens = [reply_text(value).split(":")[1] for value, _ in held]
     fencing_token = max((int(t) for t in tokens if t.isdigit()), default=None)
     live = [pttl for _, pttl in held if pttl >= 0]
     return fencing_token, min(live) / 1000 if live else None
@@ -213,7 +210,7 @@ async def list_locks(
                 break
             cursor, keys = await node.scan(cursor or 0, match=match, count=500)
             for key in keys:
-                found = _name_of(_text(key), prefix)
+                found = _name_of(reply_text(key), prefix)
                 if found is not None:
                     names.add(found)
     infos = []
@@ -267,7 +264,7 @@ async def force_release(
     keys.append(options.permits_key)  # (with every permit: slots are taken from 0 again)
     readers = await node.zrange(options.readers_key, 0, -1)
     # (and the keys of readers left by a version that gave each its own key)
-    keys += [f"{options.key}:reader:{_text(r).partition(':')[0]}" for r in readers]
+    keys += [f"{options.key}:reader:{reply_text(r).partition(':')[0]}" for r in readers]
     expected = "" if fencing_token is None else str(fencing_token)
     # (a cluster node's client runs the script's sharded twin: SPUBLISH, see Script)
     args = [expected, options.channel, "asynclock-cli"]

@@ -55,6 +55,7 @@ __all__ = [
     "mark_not_sent",
     "not_sent",
     "reaches_another",
+    "reply_text",
 ]
 
 _SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
@@ -366,3 +367,9 @@ async def exchange(client: Redis, packed: bytes, count: int) -> list[object]:
         raise
     finally:
         await pool.release(connection)
+
+
+def reply_text(value: object) -> str:
+    """A reply's bytes (a client that does not decode) or str as str (UTF-8, an
+    undecodable byte replaced)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

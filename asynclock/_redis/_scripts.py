@@ -56,7 +56,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._cluster import is_sharded
-from ._lane import Lane, encoding_of, exchange, mark_not_sent
+from ._lane import Lane, encoding_of, exchange, mark_not_sent, reply_text
 from ._refusals import explain, is_refusal
 
 __all__ = [
@@ -564,14 +564,10 @@ async def has_set_if_equal(client: Redis) -> bool | None:
         reply = dict(zip(reply[::2], reply[1::2], strict=True))
     if not isinstance(reply, dict):
         return False
-    said = {_text(name): _text(value) for name, value in reply.items()}
+    said = {reply_text(name): reply_text(value) for name, value in reply.items()}
     since = _SET_IF_EQUAL_SINCE.get(said.get("server", ""))
     version = tuple(int(part) for part in said.get("version", "").split(".")[:2] if part.isdigit())
     return since is not None and version >= since
-
-
-def _text(value: object) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def renewed(reply: object) -> bool:

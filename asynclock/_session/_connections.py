@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 from .._base._shield import finish
 from .._redis._cluster import cluster_of, holding_of, is_sharded, mark_sharded
 from .._redis._compat import fit_settings
-from .._redis._lane import Lane, reaches_another
+from .._redis._lane import Lane, reaches_another, reply_text
 from .._redis._leftovers import forget_closed_loops, idle_connections, pool_connections
 from .._redis._scripts import ABANDON, Arg, has_set_if_equal, pack, pack_args, run_idempotent
 from .._redis._valkey import family_of, sentinel_classes, valkey_errors
@@ -350,7 +350,7 @@ async def _warn_if_evicting(client: Redis) -> None:
     except Exception as exc:  # (a background task's: nothing may go unretrieved)
         log.debug("could not read the eviction policy: %r", exc)
         return
-    settings = {_text(k): _text(v) for k, v in config.items()}
+    settings = {reply_text(k): reply_text(v) for k, v in config.items()}
     policy = settings.get("maxmemory-policy", "noeviction")
     if policy != "noeviction" and settings.get("maxmemory", "0") not in ("0", ""):
         log.warning(
@@ -358,10 +358,6 @@ async def _warn_if_evicting(client: Redis) -> None:
             "under memory pressure and let two holders overlap; use noeviction for locks",
             policy,
         )
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 _ATTRIBUTE = "_asynclock_companion"
