@@ -32,18 +32,18 @@ def _free(client: Redis) -> list[Any]:
 
 
 async def _warm(client: Redis, prefix: str) -> None:
-    """One lease first, and its one-time server check (the eviction policy, whether it
-    renews by command) finished: while that check runs, the end of a lease closes
-    asynclock's side connections (the lane's included)."""
+    """One lease first, held until its one-time server check (the eviction policy,
+    whether it renews by command) has finished: while that check runs, the end of a
+    lease closes asynclock's side connections (the lane's included), and a check cut
+    short that way is made again by the next lease."""
     async with asynclock.lease(client, "warm-up", ttl=5, prefix=prefix):
-        pass
-    companion = companion_for(client)
+        companion = companion_for(client)
 
-    async def checked() -> bool:
-        check = companion._server_check
-        return check is not None and check.done()
+        async def checked() -> bool:
+            check = companion._server_check
+            return check is not None and check.done()
 
-    await wait_until(checked, what="the server check")
+        await wait_until(checked, what="the server check")
 
 
 def _lane_held(client: Redis) -> list[Any]:

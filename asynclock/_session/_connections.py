@@ -294,22 +294,24 @@ class Companion:
         Under any ``maxmemory-policy`` but ``noeviction`` (with ``maxmemory`` set), Redis
         may delete a held lease's key to free memory, and another client can then take
         the lock. Each check is skipped quietly where its command is not allowed or
-        fails (leases then renew by script).
+        fails (leases then renew by script); one cut short (the server did not answer,
+        or the last lease ended first and its side work was cancelled) is made again by
+        the next lease.
         """
         if self._server_check is None:  # (work of the room's: its aclose cancels it first)
             self._server_check = self.room.in_background(self._check_server())
 
     async def _check_server(self) -> None:
-        learnt = None
+        done = False
         try:
             learnt = await has_set_if_equal(self.client)
+            if learnt is not None:
+                self.renews_by_command = learnt
+                await _warn_if_evicting(self.client)
+                done = True
         finally:
-            if learnt is None:  # (no answer, or cancelled: the next lease asks again)
+            if not done:  # (no answer, or cut short: the next lease makes it again)
                 self._server_check = None
-        if learnt is None:
-            return
-        self.renews_by_command = learnt
-        await _warn_if_evicting(self.client)
 
     def forget(self) -> None:
         """This companion's loop has closed: disconnect its own connections without that
