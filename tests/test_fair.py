@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import asynclock
 from asynclock import AcquireTimeout, LimitConflict, LockBusy
 from asynclock._session._connections import companion_for
+from asynclock.testing import FaultProxy, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -282,3 +284,43 @@ async def test_a_slow_subscription_does_not_let_a_live_waiter_lapse(
     await wait_until(lambda: _counted(observer, queue, 2), what="second queued")
     await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert order == ["first", "second"]
+
+
+async def test_a_waiter_cut_off_for_a_moment_leaves_the_queue_once_redis_answers(
+    private_server: RedisServer, prefix: str
+) -> None:
+    """A fair waiter's connections are reset and new ones refused for half a second: its
+    attempt fails and the error reaches its caller only once its place in the queue is
+    gone (the undo is tried again until Redis answers, within ``release_timeout``), so
+    the waiter queued behind it enters as soon as the holder releases, not after the
+    dead place's FAIR_PATIENCE."""
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        cut = Redis.from_url(proxy.url)
+        direct = Redis.from_url(private_server.url)
+        queue = _queue(prefix, "blip")
+        try:
+            holder = await asynclock.acquire(direct, "blip", ttl=5, fair=True, prefix=prefix)
+            first = asyncio.create_task(
+                asynclock.acquire(cut, "blip", ttl=5, fair=True, prefix=prefix)
+            )
+            await wait_until(lambda: _counted(direct, queue, 1), what="first queued")
+            second = asyncio.create_task(
+                asynclock.acquire(direct, "blip", ttl=5, fair=True, prefix=prefix)
+            )
+            await wait_until(lambda: _counted(direct, queue, 2), what="second queued")
+            proxy.refuse_new = True
+            await proxy.reset_all()
+            await asyncio.sleep(0.5)
+            assert not first.done()  # (its undo waits for Redis)
+            proxy.refuse_new = False
+            with pytest.raises(RedisConnectionError):
+                await asyncio.wait_for(first, 5)
+            assert await direct.zcard(queue) == 1  # (only the second)
+            released = time.monotonic()
+            await holder.release()
+            lease = await asyncio.wait_for(second, 5)
+            assert time.monotonic() - released < 1.0
+            await lease.release()
+        finally:
+            await cut.aclose()
+            await direct.aclose()

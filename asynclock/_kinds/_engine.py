@@ -12,7 +12,9 @@ finds its own hold and answers as if it had just taken it); if the outcome stays
 the deadline passes, or the caller is cancelled (even by a cancellation that redis-py's
 internal ``wait_for`` swallowed: see ``_shield.cancel_dropped``), whatever the attempt
 may have left on the server is undone (the kind's ``undo`` script, which also leaves a
-tombstone that stops a late arrival of the attempt) before the error propagates. An
+tombstone that stops a late arrival of the attempt) before the error propagates; the
+undo is tried again while Redis does not answer, within ``release_timeout`` (a place
+left in a fair queue would hold up every other client's waiters). An
 attempt answered so late that less than a third of the TTL is left is not handed out: it
 is sent again at once, which refreshes the hold in one round trip.
 
@@ -555,20 +557,23 @@ class _Acquisition:
 
     async def _undo(self, limit: float | None = None) -> None:
         """Undo whatever an attempt may have left, within ``limit`` seconds (at most
-        ``release_timeout``); then let the others of our client try."""
+        ``release_timeout``), tried again while Redis does not answer (what it may have
+        left, a fair waiter's place above all, holds up every other client); then let the
+        others of our client try."""
         options = self._options
         companion = self._companion
         script, keys, args = self._kind.undo(self._token, companion.room.origin)
         bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:
-            work = run_idempotent(script, companion.lane, companion.overflow, keys, args)
-            await finish(work, bound)
+            lane, overflow = companion.lane, companion.overflow
+            await finish(run_idempotent(script, lane, overflow, keys, args, persist=True), bound)
         except Exception as exc:
+            why = f"no answer within {bound:g}s" if isinstance(exc, TimeoutError) else repr(exc)
             log.warning(
-                "could not undo an acquire attempt of %r that may have landed (%r); if it "
+                "could not undo an acquire attempt of %r that may have landed (%s); if it "
                 "did, what it took expires by its TTL",
                 options.name,
-                exc,
+                why,
             )
         finally:
             companion.room.wake(options.channel)  # (the others: it may be free now)

@@ -7,7 +7,9 @@ the lock once it is free. Every waiter says it is alive by each attempt, and tri
 least every ``FAIR_PATIENCE / 2`` seconds; a waiter that died is dropped from the head of
 the queue once ``FAIR_PATIENCE`` has passed since its last attempt. So a dead waiter
 delays the queue by at most ``FAIR_PATIENCE`` plus one retry period (3 s), and one that
-gives up (cancelled, timed out) leaves at once (FAIR_LEAVE), waking the others.
+gives up (cancelled, timed out) leaves at once (FAIR_LEAVE), waking the others; one whose
+attempt fails on the network leaves as soon as Redis answers again (the engine's undo is
+tried again within ``release_timeout``), before its caller sees the error.
 
 Unlike the plain lock's line, where only the head of a client's line tries, every fair
 waiter of a client tries on each release: its place in the queue is the server's, and a

@@ -114,6 +114,11 @@ _UNAUTHENTICATED: Final = "Protocol error: unauthenticated"
 UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 """Errors after which a command's outcome is unknown: it may or may not have run."""
 
+_PERSIST_PAUSE: Final = 0.05
+"""Seconds before a persisting ``run_idempotent`` tries again the first time."""
+_PERSIST_PAUSE_MAX: Final = 0.4
+"""The longest pause (seconds) between its tries."""
+
 
 def pack(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """One command in RESP, its arguments encoded as redis-py would encode them."""
@@ -237,17 +242,37 @@ async def run_idempotent(
     fallback: Callable[[], Redis],
     keys: Sequence[str],
     args: Sequence[Arg],
+    *,
+    persist: bool = False,
 ) -> object:
     """Run an idempotent script on ``client``, or else once more on ``fallback()``.
 
     The caller's pool may be exhausted (redis-py 8 raises at once) or hand out a
-    connection the server has closed; the fallback is asynclock's own pool.
+    connection the server has closed; the fallback is asynclock's own pool. With
+    ``persist``, a run whose outcome stays unknown is tried again on the fallback after
+    a pause (50 ms, doubling up to ``_PERSIST_PAUSE_MAX``) until one is answered: for
+    cleanup that others wait on, which a blip of the network (connections refused for
+    a moment, a server restarting) must not leave undone. The caller bounds the whole.
+
+    Raises:
+        ResponseError: Redis refused the script (never tried again).
+        Exception: one of ``UNKNOWN_OUTCOME`` when the second run failed too, without
+            ``persist``.
     """
     try:
         return await script(client, keys, args)
     except UNKNOWN_OUTCOME as exc:
         log.debug("%s failed on the caller's client (%r), retrying", script.name, exc)
-        return await script(fallback(), keys, args)
+    pause = _PERSIST_PAUSE
+    while True:
+        try:
+            return await script(fallback(), keys, args)
+        except UNKNOWN_OUTCOME as exc:
+            if not persist:
+                raise
+            log.debug("%s failed (%r), trying again in %.2fs", script.name, exc, pause)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, _PERSIST_PAUSE_MAX)
 
 
 # -- Lua fragments ------------------------------------------------------------------------
