@@ -84,6 +84,23 @@ class Monitor:
         return names
 
 
+async def server_checked(client: Redis) -> Any:
+    """The companion of ``client``, once its one-time server check has finished (the
+    eviction policy, whether it renews by command: ``Companion.check_server_once``).
+
+    Call it inside a lease's block: the first lease starts the check in the background,
+    and the end of a client's last lease cuts a check still running short, to be made
+    again (``HELLO``, ``CONFIG GET``) by the next lease, where a test counting that
+    lease's commands would see them."""
+    from asynclock._session._connections import companion_for
+
+    companion = companion_for(client)
+    check = companion._server_check
+    assert check is not None, "no server check: call this inside a lease's block"
+    await asyncio.wait_for(asyncio.shield(check), 5)
+    return companion
+
+
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]], limit: float = 5.0, what: str = "condition"
 ) -> None:

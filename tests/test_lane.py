@@ -11,7 +11,7 @@ import weakref
 from typing import Any
 
 import pytest
-from helpers import wait_until
+from helpers import server_checked, wait_until
 from redis.asyncio import Redis
 
 import asynclock
@@ -37,13 +37,7 @@ async def _warm(client: Redis, prefix: str) -> None:
     lease closes asynclock's side connections (the lane's included), and a check cut
     short that way is made again by the next lease."""
     async with asynclock.lease(client, "warm-up", ttl=5, prefix=prefix):
-        companion = companion_for(client)
-
-        async def checked() -> bool:
-            check = companion._server_check
-            return check is not None and check.done()
-
-        await wait_until(checked, what="the server check")
+        await server_checked(client)
 
 
 def _lane_held(client: Redis) -> list[Any]:

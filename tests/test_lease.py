@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import Monitor, commandstat
+from helpers import Monitor, commandstat, server_checked
 from redis.asyncio import Redis
 
 import asynclock
@@ -30,7 +30,7 @@ def text(value: Any) -> str:
 async def test_acquire_is_one_script_round_trip(redis_server: Any, client: Redis, prefix: str):
     """1: acquiring sends exactly one command (the script), which sets token and fence."""
     async with asynclock.lease(client, "warm-up", ttl=5, prefix=prefix):
-        pass  # loads the script into the server's cache
+        await server_checked(client)  # (loads the script; no HELLO in the lease below)
     async with Monitor(redis_server.url) as monitor:
         start = await monitor.mark()
         async with asynclock.lease(client, "job", ttl=5, prefix=prefix) as lock:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import valkey.asyncio
-from helpers import commandstat, run_out_of_memory
+from helpers import commandstat, run_out_of_memory, server_checked
 from redis.asyncio import Redis
 
 import asynclock
@@ -68,14 +68,6 @@ class Renewals:
                 await self._changed.wait()
 
 
-async def _server_checked(client: Redis) -> Any:
-    """The companion of ``client``, once its server check has run (started by a lease)."""
-    companion = companion_for(client)
-    assert companion._server_check is not None
-    await asyncio.wait_for(asyncio.shield(companion._server_check), 5)
-    return companion
-
-
 async def test_the_server_says_whether_it_has_set_ifeq(server: RedisServer) -> None:
     """HELLO's name and version: Valkey 8.1 and later have it; Redis 7.0 has not."""
     for decode in (False, True):
@@ -101,7 +93,7 @@ async def test_a_plain_lease_renews_by_command_where_the_server_has_it(
             async with asynclock.lease(
                 client, "m", ttl=0.3, prefix=prefix, on_event=renewals
             ) as lock:
-                companion = await _server_checked(client)
+                companion = await server_checked(client)
                 assert companion.renews_by_command is valkey
                 await renewals.more(1)  # (the first may have been packed before the check)
                 sets = await commandstat(observer, "set")
@@ -135,7 +127,7 @@ async def test_permits_and_shared_leases_renew_by_their_scripts(
         async with asynclock.lease(
             client, "k", ttl=0.3, prefix=prefix, on_event=renewals, **options
         ):
-            await _server_checked(client)
+            await server_checked(client)
             scripts = await commandstat(observer, "evalsha")
             await renewals.more(3)
             assert await commandstat(observer, "evalsha") - scripts >= 3
@@ -162,7 +154,7 @@ async def test_a_server_that_refuses_the_command_is_renewed_by_script(
     renewals = Renewals()
     try:
         async with asynclock.lease(client, "m", ttl=0.3, prefix=prefix, on_event=renewals):
-            companion = await _server_checked(client)
+            companion = await server_checked(client)
             refused = await _failed_sets(observer)
             await renewals.more(3)
             assert await _failed_sets(observer) - refused == 1  # (once, then by script)
@@ -189,7 +181,7 @@ async def test_out_of_memory_a_lease_renewed_by_command_goes_on_by_script(
     renewals = Renewals()
     try:
         async with asynclock.lease(client, "held", ttl=0.6, prefix=prefix, on_event=renewals):
-            companion = await _server_checked(client)
+            companion = await server_checked(client)
             await renewals.more(1)
             assert companion.renews_by_command is True
             await run_out_of_memory(client, prefix)
@@ -240,7 +232,7 @@ async def test_renewals_by_command_are_confirmed_by_replicas(pair: Any, prefix: 
         async with asynclock.lease(
             client, "r", ttl=0.6, prefix=prefix, min_replicas=1, on_event=renewals
         ) as lock:
-            await _server_checked(client)
+            await server_checked(client)
             await renewals.more(1)
             sets = await commandstat(pair.on_primary, "set")
             await renewals.more(3)
@@ -290,7 +282,7 @@ async def test_a_passing_refusal_of_both_forms_keeps_the_renewal_by_command(
     renewals = Renewals()
     try:
         async with asynclock.lease(client, "m", ttl=1.5, prefix=prefix, on_event=renewals):
-            companion = await _server_checked(client)
+            companion = await server_checked(client)
             await renewals.more(1)
             await observer.config_set("min-replicas-to-write", 1)
             await renewals.seen(LeaseEventKind.RENEW_FAILED)
