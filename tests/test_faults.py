@@ -135,6 +135,42 @@ async def test_one_connection_reset_does_not_lose_a_healthy_lease(
             await client.aclose()
 
 
+async def test_a_release_cut_off_for_a_moment_frees_the_key_once_redis_answers(
+    private_server: RedisServer, prefix: str
+):
+    """The holder's connections are reset as its block ends and new ones refused for
+    0.3 s: the release is sent again until Redis answers (within ``release_timeout``), so
+    the key is deleted then, not left to its 30 s TTL."""
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        events: list[asynclock.LeaseEvent] = []
+
+        async def heal() -> None:
+            await asyncio.sleep(0.3)
+            proxy.refuse_new = False
+
+        try:
+            async with asynclock.lease(
+                client, "blip", ttl=30, prefix=prefix, on_event=events.append
+            ) as lock:
+                proxy.refuse_new = True
+                await proxy.reset_all()
+                healing = asyncio.create_task(heal())
+                started = time.monotonic()
+            waited = time.monotonic() - started
+            await healing
+            kinds = [e.kind for e in events]
+            assert LeaseEventKind.RELEASED in kinds, kinds
+            assert LeaseEventKind.RELEASE_FAILED not in kinds
+            assert lock.state is LeaseState.RELEASED
+            assert await observer.exists(lock.key) == 0
+            assert 0.2 < waited < 2.0 + 1.0, waited  # (it waited for Redis, bounded)
+        finally:
+            await client.aclose()
+            await observer.aclose()
+
+
 async def test_exhausted_pool_does_not_starve_renewals(
     redis_server: Any, make_client: Any, prefix: str
 ):
@@ -443,3 +479,53 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
     assert lock.lost_reason is None
     assert [e.kind for e in events][-1] is LeaseEventKind.RELEASED
     assert await client.exists(lock.key) == 0
+
+
+async def test_a_cleanup_tried_again_ends_by_its_bound_and_its_cancellation():
+    """``persisting`` (releases and undos sent again while Redis is silent): it stops at
+    its deadline with ``TimeoutError``; a refused password is raised at once; and a
+    cancellation that redis-py turned into a connection error (see ``cancel_dropped``) is
+    raised as one, not tried again until the bound."""
+    from redis.exceptions import AuthenticationError
+
+    from asynclock._redis._scripts import persisting
+
+    loop = asyncio.get_running_loop()
+    calls = 0
+
+    async def silent() -> None:
+        nonlocal calls
+        calls += 1
+        raise RedisConnectionError("refused (test)")
+
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        await persisting(silent, "silent", started + 0.3)
+    assert 0.25 < loop.time() - started < 1.5
+    assert 3 <= calls <= 6  # (50, 100, 200 ms pauses: no busy loop)
+
+    async def refused() -> None:
+        raise AuthenticationError("invalid password (test)")
+
+    started = loop.time()
+    with pytest.raises(AuthenticationError):
+        await persisting(refused, "refused", started + 5)
+    assert loop.time() - started < 0.1
+
+    async def swallowing() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # (as a timeout landing mid-call would)
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise RedisConnectionError("write interrupted (test)") from None
+
+    async def run() -> None:
+        await persisting(swallowing, "swallowing", loop.time() + 5)
+
+    task = asyncio.create_task(run())
+    started = loop.time()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert loop.time() - started < 0.5

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Monitor
+from helpers import Monitor, server_checked
 from redis.asyncio import Redis
 
 import asynclock
@@ -79,12 +79,44 @@ async def test_a_stored_result_costs_one_round_trip(
     job = Counter()
     await asynclock.once(redis, "hit", job, 1, prefix=prefix)
     await asynclock.once(redis, "hit", job, 1, prefix=prefix)  # (scripts loaded, warm)
+    async with asynclock.lease(redis, "warm-up", prefix=prefix):
+        await server_checked(redis)  # (no HELLO in the call below)
     async with Monitor(redis_server.url) as monitor:
         start = await monitor.mark()
         assert await asynclock.once(redis, "hit", job, 1, prefix=prefix) == {"value": 1, "run": 1}
         end = await monitor.mark()
         assert [c.lower() for c in monitor.client_commands(start, end)] == ["evalsha"]
     assert job.calls == 1
+
+
+async def test_a_result_stored_through_a_moment_cut_off_is_not_lost(
+    private_server: RedisServer, prefix: str
+) -> None:
+    """The job's connections are reset as it returns and new ones refused for 0.3 s: the
+    result is stored once Redis answers again (the store is sent again within
+    ``release_timeout``), and a duplicate called afterwards receives it, without running
+    the job a second time."""
+    from asynclock.testing import FaultProxy
+
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        cut = Redis.from_url(proxy.url)
+        direct = Redis.from_url(private_server.url)
+        runs: list[int] = []
+
+        async def pay(amount: int) -> int:
+            runs.append(amount)
+            proxy.refuse_new = True
+            await proxy.reset_all()
+            asyncio.get_running_loop().call_later(0.3, setattr, proxy, "refuse_new", False)
+            return amount
+
+        try:
+            assert await asynclock.once(cut, "pay", pay, 5, ttl=30, prefix=prefix) == 5
+            assert await asynclock.once(direct, "pay", pay, 5, ttl=30, prefix=prefix) == 5
+            assert runs == [5]
+        finally:
+            await cut.aclose()
+            await direct.aclose()
 
 
 async def test_waiters_are_woken_when_the_result_is_stored(client: Redis, prefix: str) -> None:

@@ -13,8 +13,9 @@ the deadline passes, or the caller is cancelled (even by a cancellation that red
 internal ``wait_for`` swallowed: see ``_shield.cancel_dropped``), whatever the attempt
 may have left on the server is undone (the kind's ``undo`` script, which also leaves a
 tombstone that stops a late arrival of the attempt) before the error propagates; the
-undo is tried again while Redis does not answer, within ``release_timeout`` (a place
-left in a fair queue would hold up every other client's waiters). An
+undo is tried again while Redis does not answer, within ``release_timeout`` and no later
+than ``TIMEOUT_GRACE`` past the deadline, if any (a place left in a fair queue would hold
+up every other client's waiters). An
 attempt answered so late that less than a third of the TTL is left is not handed out: it
 is sent again at once, which refreshes the hold in one round trip.
 
@@ -365,7 +366,7 @@ class _Acquisition:
             exposed = turn is not None and turn.exposed and not self._refused
             try:
                 if self._pending or exposed:
-                    await self._undo(TIMEOUT_GRACE if isinstance(exc, AcquireTimeout) else None)
+                    await self._undo(self._undo_limit(exc, deadline))
             finally:
                 # (an offered token stays in use for as long as its lease: a grant
                 # repeated to it is not undone; see WaitingRoom.in_use)
@@ -555,6 +556,16 @@ class _Acquisition:
         self._kind.answered(outcome, waiting)
         return outcome
 
+    def _undo_limit(self, exc: BaseException, deadline: float | None) -> float | None:
+        """How long undoing may take after ``exc`` ended an acquisition whose deadline was
+        ``deadline`` (loop time; None: none): ``TIMEOUT_GRACE`` past the deadline, which
+        an ``AcquireTimeout`` has reached; else ``release_timeout`` (None)."""
+        if isinstance(exc, AcquireTimeout):
+            return TIMEOUT_GRACE
+        if deadline is None:
+            return None
+        return max(deadline - self._loop.time(), 0.0) + TIMEOUT_GRACE
+
     async def _undo(self, limit: float | None = None) -> None:
         """Undo whatever an attempt may have left, within ``limit`` seconds (at most
         ``release_timeout``), tried again while Redis does not answer (what it may have
@@ -566,7 +577,8 @@ class _Acquisition:
         bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:
             lane, overflow = companion.lane, companion.overflow
-            await finish(run_idempotent(script, lane, overflow, keys, args, persist=True), bound)
+            until = self._loop.time() + bound
+            await finish(run_idempotent(script, lane, overflow, keys, args, until=until), bound)
         except Exception as exc:
             why = f"no answer within {bound:g}s" if isinstance(exc, TimeoutError) else repr(exc)
             log.warning(

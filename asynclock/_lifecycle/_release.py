@@ -2,7 +2,9 @@
 
 Design note. The release runs shielded from cancellation and every exchange ends within
 ``release_timeout`` (see ``_shield.finish_idempotent``): a dead Redis never hangs an exit,
-the key then expires by its TTL. With a waiter in this client's line the HANDOFF script
+the key then expires by its TTL. Within that bound, a release whose outcome is unknown is
+sent again until Redis answers (``_send``), so a connection reset for a moment does not
+leave the key to its TTL. With a waiter in this client's line the HANDOFF script
 gives it the key in the same round trip (see ``_wakeup``), and the releaser lets the new
 holder run before it goes on (``after_release``). A release's "not ours" answer
 is a proven loss only when it is the first attempt's and arrived before ``safe_until``
@@ -27,7 +29,8 @@ from .._base._options import LeaseOptions
 from .._base._shield import finish, finish_idempotent
 from .._kinds._hold import Hold
 from .._kinds._mutex import Handoff, handoff_call, read_handoff, unregister
-from .._redis._scripts import STORE, UNKNOWN_OUTCOME, Arg, Script
+from .._redis._lane import not_sent
+from .._redis._scripts import STORE, UNKNOWN_OUTCOME, Arg, Script, persisting
 from .._session._connections import Companion
 from .._session._wakeup import Waiter
 
@@ -155,7 +158,7 @@ async def release_storing(held: Held, keys: list[str], args: list[Arg]) -> bool 
     full = [held.owner(), *args, options.channel, companion.room.origin]
 
     async def store(*, first: bool) -> tuple[object, bool]:
-        reply, definitive = await _send(held, STORE, keys, full, deadline)
+        reply, definitive = await _send(held, STORE, keys, lambda: full, deadline)
         return reply, first and definitive
 
     try:
@@ -217,19 +220,29 @@ async def _send_release(
     gives it the key in the same round trip unless a waiter of another client is
     registered; the successor's lease counts from ``t_offer``, taken before the first send.
     Every exchange ends by ``deadline`` (loop time) or raises ``TimeoutError``. With
-    ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted. ``first``:
+    ``keep_ms`` (hold_at_least), the key is kept that long instead of deleted (until
+    ``held.keep_until``, as of each send). ``first``:
     False for a run that repeats one a native cancellation interrupted (not definitive).
     """
     companion = held.companion
     options = held.options
     room = companion.room
     hold = held.hold
+    args: Callable[[], list[Arg]]
     if successor is None:
         script = hold.release
         keys = list(hold.keys)
-        args: list[Arg] = [held.owner(), options.channel, room.origin]
-        if keep_ms:
-            args.append(keep_ms)
+        base: list[Arg] = [held.owner(), options.channel, room.origin]
+        keep_until = held.keep_until if keep_ms else None
+
+        def args() -> list[Arg]:
+            # (hold_at_least: kept until keep_until, counted at each send, so that a resend
+            # landing late keeps it no longer; past it, the key is deleted)
+            if keep_until is None:
+                return base
+            left_ms = math.ceil((keep_until - companion.loop.time()) * 1000)
+            return [*base, left_ms] if left_ms > 0 else base
+
         retrying: Callable[[], None] | None = None
     else:
         request = handoff_call(
@@ -241,7 +254,8 @@ async def _send_release(
             room.listening(options.channel),
             t_offer,
         )
-        script, keys, args = request.script, list(request.keys), request.args
+        script, keys, handoff_args = request.script, list(request.keys), request.args
+        args = partial(list, handoff_args)
         # (on a retry: the first run may have registered us as waiting)
         retrying = partial(room.set_registered, options.channel, True)
     reply, definitive = await _send(held, script, keys, args, deadline, retrying)
@@ -260,6 +274,8 @@ async def _send_release(
         successor.grant = (fence, t_offer)  # the script set or renewed its expiry
         successor.event.set()
         room.set_registered(options.channel, behind is not None)
+        if successor.token not in room.in_use:  # (it gave up while the release was resent)
+            room.give_back(options.channel, successor.token)
         return Wake.HANDED
     successor.offered = False  # a definitive answer: the key was not handed over
     if answer in (Handoff.GRANTED, Handoff.CONTESTED):  # (granted: to another's waiter)
@@ -275,31 +291,45 @@ async def _send(
     held: Held,
     script: Script,
     keys: list[str],
-    args: list[Arg],
+    args: Callable[[], list[Arg]],
     deadline: float,
     retrying: Callable[[], None] | None = None,
 ) -> tuple[object, bool]:
     """Run a release's ``script`` by ``deadline`` (loop time) on the lane, or on the
     overflow pool when the caller's pool is full; answered ``MOVED`` or ``ASK``, on the
-    node named (see ``Tenure.on_its_node``). After an unknown outcome it is sent once
-    more on the overflow pool (``retrying`` called first). Returns the reply and whether
-    it answers the first send (a definitive answer)."""
+    node named (see ``Tenure.on_its_node``); ``args()``: its arguments as of each send.
+    After an unknown outcome it is sent again on the overflow pool (``retrying`` called
+    before each resend) until Redis answers or ``deadline`` passes (see
+    ``_scripts.persisting``): a connection reset for a moment does not leave the key to
+    its TTL. Returns the reply and whether it is definitive: no earlier send may have
+    run (one that failed before it was sent, ``not_sent``, did not)."""
 
     def on_lane(companion: Companion) -> Awaitable[object]:
-        return script(companion.lane, keys, args, deadline, asking=held.asking)
+        return script(companion.lane, keys, args(), deadline, asking=held.asking)
 
-    definitive = True
+    landed = False  # (an earlier send may have run)
     try:
         return await held.on_its_node(on_lane), True
     except MaxConnectionsError:  # the caller's pool is full: nothing was sent
         pass
     except UNKNOWN_OUTCOME as exc:
         log.debug("release of %r failed (%r), retrying", held.options.name, exc)
-        if retrying is not None:
+        landed = not not_sent(exc)
+    overflow = held.companion.overflow()
+
+    async def again() -> object:
+        nonlocal landed
+        if landed and retrying is not None:
             retrying()
-        definitive = False
+        try:
+            return await script(overflow, keys, args(), asking=held.asking)
+        except UNKNOWN_OUTCOME as exc:
+            landed = landed or not not_sent(exc)
+            raise
+
     async with asyncio.timeout_at(deadline):
-        return await script(held.companion.overflow(), keys, args, asking=held.asking), definitive
+        reply = await persisting(again, f"release of {held.options.name!r}", deadline)
+    return reply, not landed
 
 
 def _proves_loss(held: Held, first: bool) -> bool:

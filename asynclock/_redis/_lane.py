@@ -27,7 +27,8 @@ It is a fast path only. When all of its connections are busy, a call goes the or
 way on the client (:func:`exchange`), and when the caller's pool is exhausted it raises
 ``MaxConnectionsError`` with nothing sent, as that does. A connection that fails or is
 interrupted mid-exchange is disconnected by redis-py and reconnects on its next use; the
-callers already retry once after an unknown outcome.
+callers already send again after an unknown outcome (once, or, for a cleanup, until Redis
+answers within its bound).
 """
 
 from __future__ import annotations

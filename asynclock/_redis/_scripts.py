@@ -47,11 +47,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Final, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, TypeVar, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import AuthenticationError, NoScriptError, OutOfMemoryError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    NoScriptError,
+    OutOfMemoryError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -91,6 +97,7 @@ __all__ = [
     "has_set_if_equal",
     "pack",
     "pack_args",
+    "persisting",
     "refused_as_command",
     "renewed",
     "run_idempotent",
@@ -98,6 +105,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("asynclock")
+
+T = TypeVar("T")
 
 Arg = str | int | float | bytes
 
@@ -114,8 +123,10 @@ _UNAUTHENTICATED: Final = "Protocol error: unauthenticated"
 UNKNOWN_OUTCOME = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 """Errors after which a command's outcome is unknown: it may or may not have run."""
 
+_REFUSED_FOR_GOOD: Final = (AuthenticationError, AuthorizationError)
+"""Connection errors (by redis-py's classes) that another try would get again."""
 _PERSIST_PAUSE: Final = 0.05
-"""Seconds before a persisting ``run_idempotent`` tries again the first time."""
+"""Seconds before ``persisting`` makes its call again the first time."""
 _PERSIST_PAUSE_MAX: Final = 0.4
 """The longest pause (seconds) between its tries."""
 
@@ -243,35 +254,64 @@ async def run_idempotent(
     keys: Sequence[str],
     args: Sequence[Arg],
     *,
-    persist: bool = False,
+    until: float | None = None,
 ) -> object:
-    """Run an idempotent script on ``client``, or else once more on ``fallback()``.
+    """Run an idempotent script on ``client``, or else once more on ``fallback()``; with
+    ``until`` (loop time), again and again on ``fallback()`` until Redis answers or
+    ``until`` passes (see ``persisting``).
 
     The caller's pool may be exhausted (redis-py 8 raises at once) or hand out a
-    connection the server has closed; the fallback is asynclock's own pool. With
-    ``persist``, a run whose outcome stays unknown is tried again on the fallback after
-    a pause (50 ms, doubling up to ``_PERSIST_PAUSE_MAX``) until one is answered: for
-    cleanup that others wait on, which a blip of the network (connections refused for
-    a moment, a server restarting) must not leave undone. The caller bounds the whole.
+    connection the server has closed; the fallback is asynclock's own pool.
 
     Raises:
         ResponseError: Redis refused the script (never tried again).
-        Exception: one of ``UNKNOWN_OUTCOME`` when the second run failed too, without
-            ``persist``.
+        Exception: one of ``UNKNOWN_OUTCOME`` when the last run failed too (with
+            ``until``, ``TimeoutError`` once it passed).
     """
     try:
         return await script(client, keys, args)
     except UNKNOWN_OUTCOME as exc:
         log.debug("%s failed on the caller's client (%r), retrying", script.name, exc)
+    if until is None:
+        return await script(fallback(), keys, args)
+    return await persisting(lambda: script(fallback(), keys, args), script.name, until)
+
+
+async def persisting(call: Callable[[], Awaitable[T]], what: str, until: float) -> T:
+    """``call()``, made again after a pause (50 ms, doubling up to ``_PERSIST_PAUSE_MAX``)
+    for as long as its outcome is unknown (one of ``UNKNOWN_OUTCOME``) and loop time
+    ``until`` has not come: for an idempotent cleanup that others wait on (a release, the
+    undoing of an abandoned acquire), which a blip of the network (connections reset and
+    refused for a moment, a server restarting) must not leave undone. ``what`` names the
+    call in debug logs.
+
+    Raises:
+        TimeoutError: ``until`` came with the outcome still unknown (the caller bounds a
+            call in flight itself).
+        asyncio.CancelledError: the task was cancelled while a call was in flight, and
+            the call turned the cancellation into a connection error (see
+            ``_shield.cancel_dropped``).
+        Exception: an error reply (``ResponseError``) or a refused password or command
+            (``AuthenticationError``, ``AuthorizationError``), at once: another try
+            would get the same.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
     pause = _PERSIST_PAUSE
     while True:
         try:
-            return await script(fallback(), keys, args)
+            return await call()
+        except _REFUSED_FOR_GOOD:
+            raise
         except UNKNOWN_OUTCOME as exc:
-            if not persist:
-                raise
-            log.debug("%s failed (%r), trying again in %.2fs", script.name, exc, pause)
-        await asyncio.sleep(pause)
+            if task is not None and task.cancelling() > before:
+                raise asyncio.CancelledError from exc
+            left = until - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"{what}: Redis did not answer in time") from exc
+            log.debug("%s failed (%r), trying again in %.2fs", what, exc, pause)
+        await asyncio.sleep(min(pause, left))
         pause = min(pause * 2, _PERSIST_PAUSE_MAX)
 
 

@@ -275,9 +275,9 @@ class Companion:
         key = channel.removesuffix(":released")
         keys, args = self.abandon_call(key, token, _ORPHAN_TOMBSTONE_MS)
         try:  # (a task of the room's: closing the room waits for it, bounded; shielded)
-            await finish(
-                run_idempotent(ABANDON, self.lane, self.overflow, keys, args), _ORPHAN_LIMIT
-            )
+            until = self.loop.time() + _ORPHAN_LIMIT  # (tried again while Redis is silent)
+            work = run_idempotent(ABANDON, self.lane, self.overflow, keys, args, until=until)
+            await finish(work, _ORPHAN_LIMIT)
         except Exception as exc:
             log.warning(
                 "could not give back %s, granted to a waiter that left (%r); it expires by its TTL",

@@ -475,6 +475,11 @@ class WaitingRoom:
             # attempt found the key granted to it (and took it, same fencing token).
             return
         # Nobody of ours waits with that token or holds a lease with it: give it back.
+        self.give_back(channel, token)
+
+    def give_back(self, channel: str, token: str) -> None:
+        """In the background, give back the key of the lock on ``channel`` granted or
+        handed to ``token``, a waiter of ours that is gone (``on_orphan``)."""
         if self.on_orphan is not None:
             self.in_background(self.on_orphan(channel, token))
 
