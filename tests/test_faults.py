@@ -483,7 +483,8 @@ async def test_a_check_that_finds_the_key_released_under_it_is_no_loss(
 
 async def test_a_cleanup_tried_again_ends_by_its_bound_and_its_cancellation():
     """``persisting`` (releases and undos sent again while Redis is silent): it stops at
-    its deadline with ``TimeoutError``; a refused password is raised at once; and a
+    its deadline with ``TimeoutError``; a try that hangs is given half the time left, and
+    the next try is made; a refused password is raised at once; and a
     cancellation that redis-py turned into a connection error (see ``cancel_dropped``) is
     raised as one, not tried again until the bound."""
     from redis.exceptions import AuthenticationError
@@ -503,6 +504,19 @@ async def test_a_cleanup_tried_again_ends_by_its_bound_and_its_cancellation():
         await persisting(silent, "silent", started + 0.3)
     assert 0.25 < loop.time() - started < 1.5
     assert 3 <= calls <= 6  # (50, 100, 200 ms pauses: no busy loop)
+
+    hung = 0
+
+    async def hangs_once() -> str:
+        nonlocal hung
+        hung += 1
+        if hung == 1:
+            await asyncio.sleep(30)  # (a connect that never completes)
+        return "answered"
+
+    started = loop.time()
+    assert await persisting(hangs_once, "hangs once", started + 2) == "answered"
+    assert 0.9 < loop.time() - started < 1.5  # (the hung try was given half the time)
 
     async def refused() -> None:
         raise AuthenticationError("invalid password (test)")

@@ -129,6 +129,8 @@ _PERSIST_PAUSE: Final = 0.05
 """Seconds before ``persisting`` makes its call again the first time."""
 _PERSIST_PAUSE_MAX: Final = 0.4
 """The longest pause (seconds) between its tries."""
+_PERSIST_TRY_FLOOR: Final = 0.25
+"""The least time (seconds) each of its tries is given: half the time left, or this."""
 
 
 def pack(args: Sequence[Arg], encoding: str = "utf-8", errors: str = "strict") -> bytes:
@@ -279,8 +281,9 @@ async def run_idempotent(
 
 async def persisting(call: Callable[[], Awaitable[T]], what: str, until: float) -> T:
     """``call()``, made again after a pause (50 ms, doubling up to ``_PERSIST_PAUSE_MAX``)
-    for as long as its outcome is unknown (one of ``UNKNOWN_OUTCOME``) and loop time
-    ``until`` has not come: for an idempotent cleanup that others wait on (a release, the
+    for as long as its outcome is unknown (one of ``UNKNOWN_OUTCOME``, or no answer
+    within half the time left, at least ``_PERSIST_TRY_FLOOR``) and loop time ``until``
+    has not come: for an idempotent cleanup that others wait on (a release, the
     undoing of an abandoned acquire), which a blip of the network (connections reset and
     refused for a moment, a server restarting) must not leave undone. ``what`` names the
     call in debug logs.
@@ -301,7 +304,10 @@ async def persisting(call: Callable[[], Awaitable[T]], what: str, until: float) 
     pause = _PERSIST_PAUSE
     while True:
         try:
-            return await call()
+            # (each try within half the time left: one that hangs silently, as a connect
+            # can after a reset on some Pythons, does not take the whole bound)
+            async with asyncio.timeout(max(_PERSIST_TRY_FLOOR, (until - loop.time()) / 2)):
+                return await call()
         except _REFUSED_FOR_GOOD:
             raise
         except UNKNOWN_OUTCOME as exc:
