@@ -171,6 +171,30 @@ async def test_a_release_cut_off_for_a_moment_frees_the_key_once_redis_answers(
             await observer.aclose()
 
 
+async def test_a_non_blocking_acquire_cut_off_gives_up_its_undo_after_the_grace(
+    private_server: RedisServer, prefix: str
+):
+    """``blocking=False``, its attempt's reply lost and new connections refused: the undo
+    of what the attempt may have taken is tried for ``TIMEOUT_GRACE`` (0.5 s), not the
+    whole ``release_timeout``, before the connection error reaches the caller."""
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        try:
+            async with asynclock.lease(client, "warm", ttl=5, prefix=prefix):
+                pass  # (a connection of the lane, open)
+            proxy.reset_on_next_reply()
+            proxy.refuse_new = True
+            started = time.monotonic()
+            with pytest.raises(RedisConnectionError):
+                await asynclock.acquire(
+                    client, "cut", ttl=5, prefix=prefix, blocking=False, release_timeout=5
+                )
+            assert time.monotonic() - started < 0.5 + 1.0  # (not release_timeout's 5 s)
+        finally:
+            proxy.refuse_new = False
+            await client.aclose()
+
+
 async def test_exhausted_pool_does_not_starve_renewals(
     redis_server: Any, make_client: Any, prefix: str
 ):

@@ -559,8 +559,9 @@ class _Acquisition:
     def _undo_limit(self, exc: BaseException, deadline: float | None) -> float | None:
         """How long undoing may take after ``exc`` ended an acquisition whose deadline was
         ``deadline`` (loop time; None: none): ``TIMEOUT_GRACE`` past the deadline, which
-        an ``AcquireTimeout`` has reached; else ``release_timeout`` (None)."""
-        if isinstance(exc, AcquireTimeout):
+        an ``AcquireTimeout`` has reached, or past the one attempt of ``blocking=False``;
+        else ``release_timeout`` (None)."""
+        if isinstance(exc, AcquireTimeout) or not self._options.blocking:
             return TIMEOUT_GRACE
         if deadline is None:
             return None
