@@ -255,7 +255,10 @@ async def _send_release(
             t_offer,
         )
         script, keys, handoff_args = request.script, list(request.keys), request.args
-        args = partial(list, handoff_args)
+
+        def args() -> list[Arg]:
+            return handoff_args  # (the same at every send)
+
         # (on a retry: the first run may have registered us as waiting)
         retrying = partial(room.set_registered, options.channel, True)
     reply, definitive = await _send(held, script, keys, args, deadline, retrying)

@@ -61,6 +61,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._base._shield import cancel_dropped, cancelling
 from ._cluster import is_sharded
 from ._lane import Lane, encoding_of, exchange, mark_not_sent, reply_text
 from ._refusals import explain, is_refusal
@@ -299,8 +300,7 @@ async def persisting(call: Callable[[], Awaitable[T]], what: str, until: float) 
             would get the same.
     """
     loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    before = task.cancelling() if task is not None else 0
+    before = cancelling()
     pause = _PERSIST_PAUSE
     while True:
         try:
@@ -311,7 +311,7 @@ async def persisting(call: Callable[[], Awaitable[T]], what: str, until: float) 
         except _REFUSED_FOR_GOOD:
             raise
         except UNKNOWN_OUTCOME as exc:
-            if task is not None and task.cancelling() > before:
+            if cancel_dropped(before):
                 raise asyncio.CancelledError from exc
             left = until - loop.time()
             if left <= 0:
