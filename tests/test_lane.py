@@ -7,15 +7,17 @@ import copy
 import functools
 import gc
 import math
+import socket
 import weakref
 from typing import Any
 
 import pytest
 from helpers import server_checked, wait_until
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import asynclock
-from asynclock._redis._lane import _LINGER
+from asynclock._redis._lane import _LINGER, not_sent
 from asynclock._redis._scripts import pack
 from asynclock._session._connections import companion_for
 from asynclock.testing import RedisServer
@@ -346,3 +348,149 @@ async def test_a_lane_with_a_home_closes_connections_that_lead_elsewhere(
         assert connection.is_connected
     finally:
         await client.aclose()
+
+
+async def test_a_burst_of_releases_waits_in_the_lanes_line_and_frees_every_key(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """5,000 leases released at once (``gather``, nothing gating them) are all released
+    through the lane's connections alone: the calls that find them busy wait in line and
+    go out in batches, where a connection each exhausted the caller's pool (and, with
+    10,000 and the default ``release_timeout``, left most keys to their TTL; the bound is
+    generous here, for a loaded machine)."""
+    client = make_client()
+    await _warm(client, prefix)
+    gate = asyncio.Semaphore(64)
+
+    async def take(i: int) -> asynclock.Lease:
+        async with gate:
+            return await asynclock.acquire(
+                client, f"burst{i}", ttl=60, prefix=prefix, release_timeout=30
+            )
+
+    leases = await asyncio.gather(*(take(i) for i in range(5000)))
+    pooled = len(_in_use(client)) + len(_free(client))
+    async with asyncio.timeout(30):
+        await asyncio.gather(*(lease.release() for lease in leases))
+    assert all(lease.state is asynclock.LeaseState.RELEASED for lease in leases)
+    left = [key async for key in client.scan_iter(match=prefix + "{burst*}")]
+    assert left == []  # (the fence counters are "{burst<i>}:fence")
+    assert len(_in_use(client)) + len(_free(client)) <= max(pooled, 16) + 1
+
+
+async def test_calls_in_line_get_their_own_replies_and_a_call_that_left_is_not_sent(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """With the lane's one connection busy (a pool of 4: a lane of 1), calls wait in line
+    and are written together when it comes free, each answered with its own reply; a
+    call cancelled while in line is never sent, and one that times out in line raises
+    ``TimeoutError``."""
+    client = make_client(max_connections=4)
+    observer = make_client()
+    lane = companion_for(client).lane
+    loop = asyncio.get_running_loop()
+    await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
+    busy = asyncio.create_task(lane.call(pack(("BLPOP", prefix + "go", 10)), loop.time() + 20))
+    await wait_until(lambda: _blocked_is(observer, 1), what="the lane's connection busy")
+    echoes = [asyncio.create_task(lane.call(pack(("ECHO", f"e{i}")))) for i in range(100)]
+    cancelled = asyncio.create_task(lane.call(pack(("INCR", prefix + "never-sent"))))
+    with pytest.raises(TimeoutError):
+        await lane.call(pack(("INCR", prefix + "never-sent")), loop.time() + 0.05)
+    await asyncio.sleep(0)  # (the cancelled call is in line)
+    assert len(lane._line) == 102
+    cancelled.cancel()
+    await observer.lpush(prefix + "go", "x")
+    assert await busy == [(prefix + "go").encode(), b"x"]
+    assert await asyncio.gather(*echoes) == [f"e{i}".encode() for i in range(100)]
+    assert cancelled.cancelled()
+    assert await observer.get(prefix + "never-sent") is None
+    assert await lane.call(pack(("ECHO", "after"))) == b"after"
+    assert len(_lane_held(client)) == 1
+
+
+async def test_a_call_that_left_after_it_was_written_and_a_batch_cut_off(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """A call whose caller leaves after its batch was written has its reply read and
+    dropped (the next call gets its own); a batch whose connection is killed
+    mid-exchange gives every call in it a connection error (the outcome unknown); the
+    lane works after either."""
+    client = make_client(max_connections=4)  # (a lane of one connection)
+    observer = make_client()
+    lane = companion_for(client).lane
+    loop = asyncio.get_running_loop()
+
+    async def batch_written(*commands: tuple[Any, ...]) -> list[asyncio.Task[object]]:
+        """The commands' calls, written as one batch behind a call that held the lane's
+        connection, the first of them blocked in BLPOP."""
+        await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
+        first = asyncio.create_task(lane.call(pack(("ECHO", "first"))))
+        calls = [asyncio.create_task(lane.call(pack(c), loop.time() + 20)) for c in commands]
+        assert await first == b"first"
+        await wait_until(lambda: _blocked_is(observer, 1), what="the batch written")
+        return calls
+
+    blocked, left = await batch_written(("BLPOP", prefix + "go", 10), ("ECHO", "left"))
+    left.cancel()
+    await observer.lpush(prefix + "go", "x")
+    assert await blocked == [(prefix + "go").encode(), b"x"]
+    assert left.cancelled()
+    assert await lane.call(pack(("ECHO", "after"))) == b"after"
+
+    calls = await batch_written(("BLPOP", prefix + "never", 10), ("ECHO", "behind"))
+    for entry in await observer.client_list():
+        if entry.get("cmd") == "blpop":
+            await observer.client_kill_filter(_id=entry["id"])
+    for call in calls:
+        with pytest.raises((RedisConnectionError, OSError)):
+            await call
+    assert await lane.call(pack(("ECHO", "after"))) == b"after"
+
+
+async def test_calls_in_line_are_answered_after_the_busy_exchange_fails(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """The lane's only connection fails mid-exchange (killed) while calls wait in line
+    with no deadline: the connection reconnects for them and they are answered, not
+    left waiting for a connection that went back to the pool."""
+    client = make_client(max_connections=4)  # (a lane of one connection)
+    observer = make_client()
+    lane = companion_for(client).lane
+    await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
+    busy = asyncio.create_task(lane.call(pack(("BLPOP", prefix + "never", 10))))
+    await wait_until(lambda: _blocked_is(observer, 1), what="the lane's connection busy")
+    waiting = [asyncio.create_task(lane.call(pack(("ECHO", f"w{i}")))) for i in range(5)]
+    await asyncio.sleep(0)
+    assert len(lane._line) == 5
+    for entry in await observer.client_list():
+        if entry.get("cmd") == "blpop":
+            await observer.client_kill_filter(_id=entry["id"])
+    with pytest.raises((RedisConnectionError, OSError)):
+        await busy
+    async with asyncio.timeout(10):
+        assert await asyncio.gather(*waiting) == [f"w{i}".encode() for i in range(5)]
+
+
+async def test_calls_in_line_are_not_left_waiting_when_the_lane_cannot_connect() -> None:
+    """The lane's only connection cannot be made (nothing listens at the address) while
+    calls with no deadline wait in line for it: they get a connection error marked as
+    not sent at once, instead of waiting for a connection that never comes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # (closed again: nothing listens there)
+    client = Redis(port=port, max_connections=4)  # (a lane of one connection)
+    lane = companion_for(client).lane
+    try:
+        async with asyncio.timeout(10):
+            results = await asyncio.gather(
+                *(lane.call(pack(("ECHO", f"w{i}"))) for i in range(5)), return_exceptions=True
+            )
+        assert all(isinstance(result, (RedisConnectionError, OSError)) for result in results)
+        assert all(not_sent(result) for result in results if isinstance(result, BaseException))
+        assert not lane._line
+    finally:
+        await client.aclose()
+
+
+async def _blocked_is(observer: Redis, count: int) -> bool:
+    return await _blocked(observer) == count

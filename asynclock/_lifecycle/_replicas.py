@@ -133,7 +133,7 @@ async def _send(companion: Companion, packed: bytes, count: int, wait_ms: int) -
     if limit is not None and limit < wait_ms / 1000 + _MARGIN:
         return await exchange(companion.renewer(), packed, count)
     try:
-        return cast(list[object], await companion.lane.call(packed, None, count))
+        return cast(list[object], await companion.lane.call(packed, None, count, alone=True))
     except MaxConnectionsError:
         return await exchange(companion.overflow(), packed, count)
 

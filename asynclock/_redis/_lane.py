@@ -23,18 +23,28 @@ finding nothing due, and is cancelled when the lane gives its connections back. 
 exchange past its bound is cancelled as ``asyncio.timeout`` would cancel it, and raises
 ``TimeoutError``; a cancellation from elsewhere passes through unchanged.
 
-It is a fast path only. When all of its connections are busy, a call goes the ordinary
-way on the client (:func:`exchange`), and when the caller's pool is exhausted it raises
-``MaxConnectionsError`` with nothing sent, as that does. A connection that fails or is
-interrupted mid-exchange is disconnected by redis-py and reconnects on its next use; the
-callers already send again after an unknown outcome (once, or, for a cleanup, until Redis
-answers within its bound).
+When all of its connections are busy, a call waits in the lane's line, and the next
+connection to come free writes the calls in line in one write (``_BATCH`` at most) and
+reads their replies in order (``_drain``): a burst of thousands of acquires or releases
+costs a few writes and no further connections, where each call on a connection of its
+own costs a round trip and, past the caller's pool, a wait for a free one (a release of
+10,000 leases at once left most of them to their TTL that way). A caller that leaves the
+line (its deadline, a cancellation) before its call is written leaves nothing sent; one
+that leaves after has its reply read and dropped. A lane of no connections (a small
+pool) sends every call the ordinary way (:func:`exchange`). When the caller's pool is
+exhausted as the lane borrows, it raises ``MaxConnectionsError`` with nothing sent. A
+connection that fails or is interrupted mid-exchange is disconnected and reconnects on
+its next use; every call of a batch that failed gets the error (its outcome unknown),
+and the callers already send again after an unknown outcome (once, or, for a cleanup,
+until Redis answers within its bound).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -61,6 +71,7 @@ __all__ = [
 
 _SIZE: Final = 16  # connections the lane may hold at once, and at most 1/4 of the pool's
 _LINGER: Final = 1.0  # seconds unused after which the lane gives its connections back
+_BATCH: Final = 64  # calls in line written at once by a lane connection (see _drain)
 
 
 def encoding_in(settings: Mapping[str, Any]) -> tuple[str, str]:
@@ -90,6 +101,7 @@ class Lane:
         self._loop = loop
         self._idle: list[tuple[Any, float | None]] = []  # (connection, its socket timeout)
         self._held = 0  # connections checked out by the lane, idle or busy
+        self._borrowing = 0  # of those, being checked out still (none to serve the line yet)
         self._used = 0.0  # loop time of the last call
         self._keeper: asyncio.Task[None] | None = None
         self._closing = False  # set when the keeper is cancelled (the loop shuts down)
@@ -97,17 +109,23 @@ class Lane:
         self._size = min(_SIZE, int(limit) // 4)  # leave the application its pool (0: none)
         self._bounds: set[_Bound] = set()  # the bounded exchanges in flight
         self._timer: asyncio.TimerHandle | None = None  # the bounds' shared timer
+        self._line: deque[_InLine] = deque()  # calls waiting for a connection
+        self._drains: set[asyncio.Task[None]] = set()  # (referenced while they run)
 
-    async def call(self, packed: bytes, deadline: float | None = None, count: int = 1) -> object:
+    async def call(
+        self, packed: bytes, deadline: float | None = None, count: int = 1, *, alone: bool = False
+    ) -> object:
         """Send one packed command and return its reply; an error reply is returned, not
         raised, as by :func:`exchange`. With ``count`` above 1, ``packed`` holds that many
         commands, and the list of their replies is returned.
 
         The exchange is bounded by the connection's socket timeout and ends by
-        ``deadline`` (loop time) if given; past either, ``TimeoutError`` is raised. Raises
-        ``MaxConnectionsError`` (nothing sent) when the caller's pool is exhausted, and
-        the connection error or cancellation that interrupted the exchange (the outcome
-        is then unknown).
+        ``deadline`` (loop time) if given; past either, ``TimeoutError`` is raised. While
+        every lane connection is busy the call waits in line (see the design note), or,
+        ``alone`` (a command the server may hold, as ``WAIT``: none may wait behind it),
+        goes the ordinary way. Raises ``MaxConnectionsError`` (nothing sent) when the
+        caller's pool is exhausted, and the connection error or cancellation that
+        interrupted the exchange (the outcome is then unknown).
         """
         self._used = now = self._loop.time()
         if self._idle:
@@ -120,11 +138,15 @@ class Lane:
                 async with asyncio.timeout_at(None if deadline is None else (now + deadline) / 2):
                     connection, saved = await self._borrow()
             except (RedisConnectionError, OSError, TimeoutError) as exc:
+                if self._held == self._borrowing:  # (no connection left to serve the line)
+                    self._fail_line(f"the lane could not connect: {exc!r}")
                 if not isinstance(exc, TimeoutError) and not _exhausted(exc):
                     mark_not_sent(exc)  # the server could not be reached (or refused us)
                     raise
                 raise MaxConnectionsError(f"asynclock: no lane connection: {exc!r}") from exc
-        else:  # every lane connection is busy (or none allowed): the ordinary way
+        elif self._size and not alone and not self._closing:  # all busy: in line (_drain)
+            return await self._in_line(_InLine(packed, count, self._loop.create_future()), deadline)
+        else:  # no lane (a small pool), or a call that must go alone: the ordinary way
             async with asyncio.timeout_at(deadline):
                 replies = await exchange(self.client, packed, count)
             return replies[0] if count == 1 else replies
@@ -137,16 +159,105 @@ class Lane:
             else:
                 reply = await self._bounded(connection, packed, ends, count)
         except BaseException:
+            if self._line and not self._closing:  # (calls wait: it reconnects for them)
+                await connection.disconnect(nowait=True)
+                await self._free(connection, saved)
+            else:
+                await self._return_connection(connection, saved)
+            raise
+        await self._free(connection, saved)
+        return reply
+
+    async def _free(self, connection: Any, saved: float | None) -> None:
+        """A connection done with its exchange: to the line's calls if any wait (a drain
+        of its own), else idle (back to the pool if the event loop is shutting down)."""
+        if self._closing:  # the event loop is shutting down: nothing stays borrowed
+            self._fail_line("the event loop is shutting down")
+            await self._return_connection(connection, saved)
+            return
+        home = self.home
+        if home is not None and reaches_another(connection, home):
+            await connection.disconnect(nowait=True)  # (the primary moved: see home)
+        if self._line:
+            drain = self._loop.create_task(self._drain(connection, saved), name="asynclock-drain")
+            self._drains.add(drain)
+            drain.add_done_callback(self._drains.discard)
+        else:
+            self._idle.append((connection, saved))
+
+    async def _in_line(self, waiting: _InLine, deadline: float | None) -> object:
+        """Wait in line for ``waiting``'s reply, by ``deadline`` (loop time) if given."""
+        self._line.append(waiting)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await waiting.reply
+        finally:
+            if not waiting.reply.done():  # (left the line: not to be written)
+                waiting.reply.cancel()
+            elif not waiting.reply.cancelled():  # (an error we left before raising is
+                waiting.reply.exception()  # retrieved: nothing logged as unretrieved)
+
+    async def _drain(self, connection: Any, saved: float | None) -> None:
+        """Write the calls in line on ``connection``, ``_BATCH`` at a time in one write,
+        and hand each its reply, until the line is empty; then the connection is free.
+        A batch that fails gives each of its calls the error; at a cancellation (the
+        event loop shutting down) the calls left in line get a connection error too,
+        with nothing sent, and the connection goes back to the pool."""
+        try:
+            while self._line:
+                batch: list[_InLine] = []
+                while self._line and len(batch) < _BATCH:
+                    waiting = self._line.popleft()
+                    if not waiting.reply.done():  # (else its caller left: not sent)
+                        batch.append(waiting)
+                if batch:
+                    await self._write(connection, saved, batch)
+            await self._free(connection, saved)
+        except BaseException:
+            self._fail_line("the lane closed")
             await self._return_connection(connection, saved)
             raise
-        if self._closing:  # the event loop is shutting down: nothing stays borrowed
-            await self._return_connection(connection, saved)
-        else:
-            home = self.home
-            if home is not None and reaches_another(connection, home):
-                await connection.disconnect(nowait=True)  # (the primary moved: see home)
-            self._idle.append((connection, saved))
-        return reply
+
+    def _fail_line(self, why: str) -> None:
+        """Give every call in line a connection error marked as not sent (none was
+        written): no connection of the lane is left to serve them (``why``); their
+        callers go the way they go when the lane cannot connect."""
+        while self._line:
+            waiting = self._line.popleft()
+            if not waiting.reply.done():
+                error = RedisConnectionError(f"asynclock: {why}")
+                mark_not_sent(error)
+                waiting.reply.set_exception(error)
+
+    async def _write(self, connection: Any, saved: float | None, batch: list[_InLine]) -> None:
+        """One exchange of ``batch``'s calls on ``connection`` (bounded by its socket
+        timeout ``saved``); each call's reply, or the error that ended the exchange, is
+        handed to its caller. Raises only a cancellation of the drain itself."""
+        count = sum(waiting.count for waiting in batch)
+        packed = b"".join(waiting.packed for waiting in batch)
+        try:
+            if saved is None:  # (nothing bounds it: a client made with socket_timeout=None)
+                replies = await _round_trip(connection, packed, count)
+            else:
+                replies = await self._bounded(connection, packed, self._loop.time() + saved, count)
+        except BaseException as exc:
+            for waiting in batch:  # (first: nothing below may leave a caller waiting)
+                if not waiting.reply.done():
+                    waiting.reply.set_exception(_copy_of(exc))
+            await connection.disconnect(nowait=True)  # (its replies are out of step)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        if count == 1:
+            replies = [replies]
+        assert isinstance(replies, list)
+        start = 0
+        for waiting in batch:
+            if not waiting.reply.done():
+                waiting.reply.set_result(
+                    replies[start] if waiting.count == 1 else replies[start : start + waiting.count]
+                )
+            start += waiting.count
 
     def idle_connections(self) -> list[Any]:
         """The connections the lane holds idle."""
@@ -204,11 +315,14 @@ class Lane:
 
     async def _borrow(self) -> tuple[Any, float | None]:
         self._held += 1  # counted before the await: a burst takes no more than _size
+        self._borrowing += 1
         try:  # (a valkey-py pool's error made redis-py's as well: see _valkey)
             connection = await redis_errors(get_connection(self.client.connection_pool))
         except BaseException:
             self._held -= 1
             raise
+        finally:
+            self._borrowing -= 1
         timeout = connection.socket_timeout
         connection.socket_timeout = None  # our own bound replaces it (see the design note)
         if self._keeper is None:
@@ -235,6 +349,7 @@ class Lane:
                     await asyncio.sleep(_LINGER - idle_for if self._idle else _LINGER)
         except asyncio.CancelledError:
             self._closing = True  # calls still in flight give theirs back when done
+            self._fail_line("the event loop is shutting down")
             raise
         finally:
             self._keeper = None
@@ -279,6 +394,31 @@ def _exhausted(error: BaseException) -> bool:
     free (nothing was tried; another pool may do) rather than that the server could not
     be reached or refused the connection."""
     return exhausted(error) or "No connection available" in str(error)
+
+
+@dataclass(eq=False, slots=True)
+class _InLine:
+    """A call waiting in a lane's line: its packed command(s), how many, and the future
+    its reply (or list of replies) goes to."""
+
+    packed: bytes
+    count: int
+    reply: asyncio.Future[object]
+
+
+def _copy_of(error: BaseException) -> BaseException:
+    """The error that ended a batch's exchange, for one of its callers: a copy each (a
+    raised exception takes the raiser's traceback), caused by the original; a
+    cancellation of the drain (the loop shutting down) as a connection error."""
+    if isinstance(error, asyncio.CancelledError):
+        copied: BaseException = RedisConnectionError("asynclock: the lane closed mid-exchange")
+    else:
+        try:
+            copied = copy.copy(error)
+        except Exception:  # (an exception whose arguments cannot make it again)
+            copied = RedisConnectionError(f"asynclock: {error!r}")
+    copied.__cause__ = error
+    return copied
 
 
 @dataclass(eq=False, slots=True)  # (eq=False: hashed by identity, in Lane._bounds)
