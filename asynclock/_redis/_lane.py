@@ -47,7 +47,7 @@ import copy
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -131,19 +131,7 @@ class Lane:
         if self._idle:
             connection, saved = self._idle.pop()
         elif self._held < self._size:
-            # At most half of the caller's time goes to getting a connection (a blocking
-            # pool may make us wait); failing that, nothing was sent: the caller falls
-            # back to asynclock's own pool with the rest.
-            try:
-                async with asyncio.timeout_at(None if deadline is None else (now + deadline) / 2):
-                    connection, saved = await self._borrow()
-            except (RedisConnectionError, OSError, TimeoutError) as exc:
-                if self._held == self._borrowing:  # (no connection left to serve the line)
-                    self._fail_line(f"the lane could not connect: {exc!r}")
-                if not isinstance(exc, TimeoutError) and not _exhausted(exc):
-                    mark_not_sent(exc)  # the server could not be reached (or refused us)
-                    raise
-                raise MaxConnectionsError(f"asynclock: no lane connection: {exc!r}") from exc
+            connection, saved = await self._borrow_by(now, deadline)
         elif self._size and not alone and not self._closing:  # all busy: in line (_drain)
             return await self._in_line(_InLine(packed, count, self._loop.create_future()), deadline)
         else:  # no lane (a small pool), or a call that must go alone: the ordinary way
@@ -167,6 +155,24 @@ class Lane:
             raise
         await self._free(connection, saved)
         return reply
+
+    async def _borrow_by(self, now: float, deadline: float | None) -> tuple[Any, float | None]:
+        """A connection borrowed for a call made at loop time ``now``, within half of the
+        time it has (a blocking pool may make us wait). Failing that, nothing was sent:
+        ``MaxConnectionsError`` (the caller falls back to asynclock's own pool with the
+        rest), or the connection error marked as not sent (the server could not be
+        reached, or refused us); the calls in line then fail too if no connection is left
+        to serve them."""
+        try:
+            async with asyncio.timeout_at(None if deadline is None else (now + deadline) / 2):
+                return await self._borrow()
+        except (RedisConnectionError, OSError, TimeoutError) as exc:
+            if self._held == self._borrowing:  # (no connection left to serve the line)
+                self._fail_line(f"the lane could not connect: {exc!r}")
+            if not isinstance(exc, TimeoutError) and not _exhausted(exc):
+                mark_not_sent(exc)
+                raise
+            raise MaxConnectionsError(f"asynclock: no lane connection: {exc!r}") from exc
 
     async def _free(self, connection: Any, saved: float | None) -> None:
         """A connection done with its exchange: to the line's calls if any wait (a drain
@@ -248,16 +254,7 @@ class Lane:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        if count == 1:
-            replies = [replies]
-        assert isinstance(replies, list)
-        start = 0
-        for waiting in batch:
-            if not waiting.reply.done():
-                waiting.reply.set_result(
-                    replies[start] if waiting.count == 1 else replies[start : start + waiting.count]
-                )
-            start += waiting.count
+        _hand_out(batch, [replies] if count == 1 else cast(list[object], replies))
 
     def idle_connections(self) -> list[Any]:
         """The connections the lane holds idle."""
@@ -404,6 +401,17 @@ class _InLine:
     packed: bytes
     count: int
     reply: asyncio.Future[object]
+
+
+def _hand_out(batch: list[_InLine], replies: list[object]) -> None:
+    """Give each call of ``batch`` its reply (or its list of ``count`` replies), in order,
+    from ``replies``; a call whose caller left has its reply dropped."""
+    start = 0
+    for waiting in batch:
+        if not waiting.reply.done():
+            end = start + waiting.count
+            waiting.reply.set_result(replies[start] if waiting.count == 1 else replies[start:end])
+        start += waiting.count
 
 
 def _copy_of(error: BaseException) -> BaseException:
