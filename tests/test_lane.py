@@ -492,5 +492,33 @@ async def test_calls_in_line_are_not_left_waiting_when_the_lane_cannot_connect()
         await client.aclose()
 
 
+async def test_at_loop_shutdown_the_calls_in_line_fail_as_not_sent(
+    make_client: Any, redis_server: Any, prefix: str
+):
+    """When the event loop shuts down (the lane's keeper cancelled, as asyncio.run does)
+    while calls wait in line, they get a connection error marked as not sent at once
+    (no connection will serve them), and the busy connection goes back to the pool when
+    its exchange ends."""
+    client = make_client(max_connections=4)  # (a lane of one connection)
+    observer = make_client()
+    lane = companion_for(client).lane
+    await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
+    busy = asyncio.create_task(lane.call(pack(("BLPOP", prefix + "go", 10))))
+    await wait_until(lambda: _blocked_is(observer, 1), what="the lane's connection busy")
+    waiting = [asyncio.create_task(lane.call(pack(("ECHO", f"w{i}")))) for i in range(3)]
+    await asyncio.sleep(0)
+    assert len(lane._line) == 3
+    keeper = lane._keeper
+    assert keeper is not None
+    keeper.cancel()
+    await asyncio.wait([keeper])
+    async with asyncio.timeout(5):
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert all(isinstance(result, RedisConnectionError) and not_sent(result) for result in results)
+    await observer.lpush(prefix + "go", "x")
+    assert await busy == [(prefix + "go").encode(), b"x"]
+    assert not _lane_held(client)
+
+
 async def _blocked_is(observer: Redis, count: int) -> bool:
     return await _blocked(observer) == count
