@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 import asynclock
+from asynclock._base._shield import close_fully
 from asynclock._session._connections import companion_for
 
 
@@ -245,3 +246,28 @@ def _shut_down(loop: asyncio.AbstractEventLoop) -> None:
     if pending:
         loop.run_until_complete(asyncio.wait(pending))
     loop.close()
+
+
+async def test_a_side_client_closed_under_a_cancellation_closes_its_connections(
+    redis_server: Any,
+):
+    """asynclock's own clients (renewals, overflow) are closed with ``close_fully``: a
+    cancellation of the closing task (``finish``'s bound on closing side connections,
+    a shutdown) right after the close began does not leave their sockets open, to be
+    warned about as unclosed when the dropped client is collected. (A bare
+    ``client.aclose()`` cancelled there leaves them open: redis-py's pool gathers the
+    disconnects in tasks of their own, cancelled before they run.)"""
+    client = Redis.from_url(redis_server.url)
+    await client.ping()
+    (connection,) = client.connection_pool._available_connections
+    closing = asyncio.create_task(close_fully(client.aclose()))
+    await asyncio.sleep(0)  # (the close has begun)
+    closing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    assert closing.cancelled()
+    await wait_until(lambda: _closed(connection), what="the connection closed")
+
+
+async def _closed(connection: Any) -> bool:
+    return not connection.is_connected

@@ -29,6 +29,7 @@ __all__ = [
     "Traceback",
     "cancel_dropped",
     "cancelling",
+    "close_fully",
     "finish",
     "finish_idempotent",
 ]
@@ -52,6 +53,24 @@ def cancel_dropped(cancelling_before: int) -> bool:
     """True if the current task was cancelled since ``cancelling_before`` was read."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > cancelling_before
+
+
+async def close_fully(close: Coroutine[Any, Any, Any]) -> None:
+    """Run ``close`` (the closing of a connection or a client that nothing else refers
+    to any more) to its end even if the caller is cancelled meanwhile: a close cut short
+    leaves its socket open, and the connection dropped with it is warned about when it
+    is collected (an unclosed ``ResourceWarning``), long after and far from here.
+
+    Raises the caller's cancellation as usual, and ``close``'s error if it failed while
+    the caller waited (after a cancellation it is retrieved and dropped)."""
+    task = asyncio.ensure_future(close)
+    task.add_done_callback(_retrieved)
+    await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # (retrieved: asyncio does not log it as never retrieved)
 
 
 async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:

@@ -43,7 +43,7 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from .._base._shield import finish
+from .._base._shield import close_fully, finish
 from .._redis._cluster import cluster_of, holding_of, is_sharded, mark_sharded
 from .._redis._compat import fit_settings
 from .._redis._lane import Lane, reaches_another, reply_text
@@ -341,8 +341,21 @@ class Companion:
         await self.lane.aclose()
         clients = [c for c in (self._renewer, self._overflow) if c is not None]
         self._renewer = self._overflow = None  # (before awaiting: a newcomer makes its own)
-        for client in clients:
+        if clients:  # (to the end: nothing refers to them any more)
+            await close_fully(_aclose_each(clients))
+
+
+async def _aclose_each(clients: list[Redis]) -> None:
+    """Close each of ``clients``, also after an earlier one failed (the first error is
+    raised once all were tried)."""
+    errors: list[Exception] = []
+    for client in clients:
+        try:
             await client.aclose()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 async def _warn_if_evicting(client: Redis) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
+from .._base._shield import close_fully
 from .._redis._compat import connection_errors
 from .._redis._lane import encoding_in
 from .._redis._leftovers import forget_connection
@@ -322,7 +323,7 @@ class WaitingRoom:
                     await connection.connect()
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await connection.disconnect()
+                    await close_fully(connection.disconnect())
                 raise
             self.connection = connection
             self._healthy = True
@@ -524,4 +525,4 @@ class WaitingRoom:
             await self._cancel_background([reader, *self._background])
         if connection is not None:
             with contextlib.suppress(Exception):
-                await connection.disconnect()
+                await close_fully(connection.disconnect())
