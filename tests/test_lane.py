@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 import asynclock
-from asynclock._redis._lane import _LINGER, not_sent
+from asynclock._redis._lane import _LINGER, Lane, not_sent
 from asynclock._redis._scripts import pack
 from asynclock._session._connections import companion_for
 from asynclock.testing import RedisServer
@@ -438,9 +438,7 @@ async def test_a_call_that_left_after_it_was_written_and_a_batch_cut_off(
     assert await lane.call(pack(("ECHO", "after"))) == b"after"
 
     calls = await batch_written(("BLPOP", prefix + "never", 10), ("ECHO", "behind"))
-    for entry in await observer.client_list():
-        if entry.get("cmd") == "blpop":
-            await observer.client_kill_filter(_id=entry["id"])
+    await _kill_blpop(observer)
     for call in calls:
         with pytest.raises((RedisConnectionError, OSError)):
             await call
@@ -453,18 +451,8 @@ async def test_calls_in_line_are_answered_after_the_busy_exchange_fails(
     """The lane's only connection fails mid-exchange (killed) while calls wait in line
     with no deadline: the connection reconnects for them and they are answered, not
     left waiting for a connection that went back to the pool."""
-    client = make_client(max_connections=4)  # (a lane of one connection)
-    observer = make_client()
-    lane = companion_for(client).lane
-    await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
-    busy = asyncio.create_task(lane.call(pack(("BLPOP", prefix + "never", 10))))
-    await wait_until(lambda: _blocked_is(observer, 1), what="the lane's connection busy")
-    waiting = [asyncio.create_task(lane.call(pack(("ECHO", f"w{i}")))) for i in range(5)]
-    await asyncio.sleep(0)
-    assert len(lane._line) == 5
-    for entry in await observer.client_list():
-        if entry.get("cmd") == "blpop":
-            await observer.client_kill_filter(_id=entry["id"])
+    _, observer, busy, waiting = await _busy_with_line(make_client, prefix + "never", 5)
+    await _kill_blpop(observer)
     with pytest.raises((RedisConnectionError, OSError)):
         await busy
     async with asyncio.timeout(10):
@@ -499,15 +487,7 @@ async def test_at_loop_shutdown_the_calls_in_line_fail_as_not_sent(
     while calls wait in line, they get a connection error marked as not sent at once
     (no connection will serve them), and the busy connection goes back to the pool when
     its exchange ends."""
-    client = make_client(max_connections=4)  # (a lane of one connection)
-    observer = make_client()
-    lane = companion_for(client).lane
-    await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
-    busy = asyncio.create_task(lane.call(pack(("BLPOP", prefix + "go", 10))))
-    await wait_until(lambda: _blocked_is(observer, 1), what="the lane's connection busy")
-    waiting = [asyncio.create_task(lane.call(pack(("ECHO", f"w{i}")))) for i in range(3)]
-    await asyncio.sleep(0)
-    assert len(lane._line) == 3
+    lane, observer, busy, waiting = await _busy_with_line(make_client, prefix + "go", 3)
     keeper = lane._keeper
     assert keeper is not None
     keeper.cancel()
@@ -517,7 +497,32 @@ async def test_at_loop_shutdown_the_calls_in_line_fail_as_not_sent(
     assert all(isinstance(result, RedisConnectionError) and not_sent(result) for result in results)
     await observer.lpush(prefix + "go", "x")
     assert await busy == [(prefix + "go").encode(), b"x"]
-    assert not _lane_held(client)
+    assert not _lane_held(lane.client)
+
+
+async def _busy_with_line(
+    make_client: Any, key: str, calls: int
+) -> tuple[Lane, Redis, asyncio.Task[object], list[asyncio.Task[object]]]:
+    """A lane of one connection (a client with a pool of 4), that connection busy in a
+    BLPOP of ``key`` (10 s, no deadline), and ``calls`` ECHO calls (``w<i>``, no
+    deadline) waiting in its line; with a client of its own to observe the server."""
+    client = make_client(max_connections=4)
+    observer = make_client()
+    lane = companion_for(client).lane
+    await wait_until(lambda: _none_blocked(observer), what="no BLPOP left")
+    busy = asyncio.create_task(lane.call(pack(("BLPOP", key, 10))))
+    await wait_until(lambda: _blocked_is(observer, 1), what="the lane's connection busy")
+    waiting = [asyncio.create_task(lane.call(pack(("ECHO", f"w{i}")))) for i in range(calls)]
+    await asyncio.sleep(0)
+    assert len(lane._line) == calls
+    return lane, observer, busy, waiting
+
+
+async def _kill_blpop(observer: Redis) -> None:
+    """Kill the connection blocked in BLPOP (``CLIENT KILL ID``)."""
+    for entry in await observer.client_list():
+        if entry.get("cmd") == "blpop":
+            await observer.client_kill_filter(_id=entry["id"])
 
 
 async def _blocked_is(observer: Redis, count: int) -> bool:
