@@ -32,6 +32,7 @@ __all__ = [
     "close_fully",
     "finish",
     "finish_idempotent",
+    "retrieved",
 ]
 
 T = TypeVar("T")
@@ -64,13 +65,15 @@ async def close_fully(close: Coroutine[Any, Any, Any]) -> None:
     Raises the caller's cancellation as usual, and ``close``'s error if it failed while
     the caller waited (after a cancellation it is retrieved and dropped)."""
     task = asyncio.ensure_future(close)
-    task.add_done_callback(_retrieved)
+    task.add_done_callback(retrieved)
     await asyncio.shield(task)
 
 
-def _retrieved(task: asyncio.Future[Any]) -> None:
+def retrieved(task: asyncio.Future[Any]) -> None:
+    """A done callback for a task whose error only its awaiters (if any are left) need:
+    the error is retrieved, so that asyncio does not log it as never retrieved."""
     if not task.cancelled():
-        task.exception()  # (retrieved: asyncio does not log it as never retrieved)
+        task.exception()
 
 
 async def finish(coro: Coroutine[Any, Any, T], limit: float) -> T:

@@ -46,6 +46,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ClusterDownError
 
+from .._base._shield import retrieved
 from ._valkey import family_of, redis_errors
 
 __all__ = [
@@ -182,14 +183,9 @@ async def reload_slots(cluster: RedisCluster) -> None:
     if running is None or running.get_loop() is not loop or running.done():
         reload = redis_errors(cluster.nodes_manager.initialize())
         running = loop.create_task(reload, name="asynclock-slot-map")
-        running.add_done_callback(_retrieved)  # (its error is its callers', if any are left)
+        running.add_done_callback(retrieved)  # (its error is its callers', if any are left)
         setattr(cluster, _RELOADING, running)
     await asyncio.shield(running)
 
 
 _RELOADING: Final = "_asynclock_reloading"  # on a cluster client: its reload in flight
-
-
-def _retrieved(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()

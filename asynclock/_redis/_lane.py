@@ -218,11 +218,11 @@ class Lane:
                         batch.append(waiting)
                 if batch:
                     await self._write(connection, saved, batch)
-            await self._free(connection, saved)
         except BaseException:
             self._fail_line("the lane closed")
             await self._return_connection(connection, saved)
             raise
+        await self._free(connection, saved)
 
     def _fail_line(self, why: str) -> None:
         """Give every call in line a connection error marked as not sent (none was
