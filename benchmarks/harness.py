@@ -30,7 +30,7 @@ from .config import FULL, QUICK, Profile
 from .peers import ALL_PEERS, CYCLE, HOLD, AsyncPeer, Peer, ThreadPeer
 from .results import PeerEntry, Record, Results
 from .scenarios import SCENARIOS, Context, Measurement, Scenario
-from .server import count_commands
+from .server import BLOCKS, QUICK_BLOCKS, count_commands
 from .server import measure as server_time
 from .system import (
     LogCollector,
@@ -268,10 +268,11 @@ def run(
                     results.records.append(record)
                     _progress(record, scenario, run_index, scenario.runs(profile))
         if not _Stop.requested:  # the server's share of a cycle, kind by kind
-            blocks, per_block = (4, 200) if profile.name == "quick" else (10, 500)
+            blocks, per_block = QUICK_BLOCKS if profile.name == "quick" else BLOCKS
             print("server time per cycle of every kind ...")
             spent = asyncio.run(server_time(server.url, blocks, per_block))
             results.server_us, results.server_thread = spent.commands, spent.thread
+            results.server_rounds = spent.rounds
             results.server_commands = asyncio.run(count_commands(server.url))
         probe.close()
         results.environment["load"] = load_note(ticks)

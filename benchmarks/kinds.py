@@ -37,6 +37,7 @@ import asynclock
 from asynclock.testing import RedisServer
 
 from .jobs import _timed
+from .server import BLOCKS, QUICK_BLOCKS
 from .server import measure as server_time
 from .server import render as server_table
 
@@ -243,7 +244,7 @@ async def run(url: str, quick: bool) -> str:
         one_name = await many(client, 3 if quick else 5)
     finally:
         await client.aclose()
-    server_blocks, server_per_block = (4, 200) if quick else (10, 500)
+    server_blocks, server_per_block = QUICK_BLOCKS if quick else BLOCKS
     server = await server_time(url, server_blocks, server_per_block)
     base = cycle["ZSET recipe (limit=5)"]
     lines = [
@@ -288,10 +289,11 @@ async def run(url: str, quick: bool) -> str:
         "",
         f"The server's share of an uncontended cycle (µs of Redis's main thread from `INFO "
         f"commandstats`, the commands each kind sends itself; medians of {server_blocks} "
-        f"blocks of {server_per_block} cycles, the kinds taking turns; "
+        f"blocks of {server_per_block} cycles, the kinds taking turns, and of the ratios "
+        "within each round of turns; "
         "`benchmarks/server.py`):",
         "",
-        *server_table(server.commands, None, server.thread),
+        *server_table(server.commands, None, server.thread, server.rounds),
         "",
     ]
     return "\n".join(lines)

@@ -521,7 +521,9 @@ def markdown(results: Results, chart: str | None, chart_note: str = "") -> str:
         )
 
     if results.server_us:
-        section = server_section(results.server_us, results.server_commands, results.server_thread)
+        section = server_section(
+            results.server_us, results.server_commands, results.server_thread, results.server_rounds
+        )
         lines += ["", "## Server time per cycle", "", *section]
 
     lines += ["", "## All figures", ""]

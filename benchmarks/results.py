@@ -59,6 +59,9 @@ class Results:
     server_thread: dict[str, float] = field(default_factory=dict)
     """µs of the server's main thread per uncontended cycle of each of them, I/O
     included (``server.py``; empty in older results)."""
+    server_rounds: dict[str, list[float]] = field(default_factory=dict)
+    """Server µs per cycle of each of them block by block, one block per round of their
+    turns (``server.py``: the ratios are in-round; empty in older results)."""
 
     # -- persistence ----------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 import shutil
 import socket
@@ -52,6 +53,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from redis.asyncio import Redis
 
@@ -59,11 +61,14 @@ import asynclock
 from asynclock.testing import RedisServer
 
 __all__ = [
+    "BLOCKS",
     "KINDS",
+    "QUICK_BLOCKS",
     "Kind",
     "ServerTime",
     "count_commands",
     "count_instructions",
+    "in_round",
     "measure",
     "render",
     "render_instructions",
@@ -171,10 +176,22 @@ KINDS: tuple[Kind, ...] = (
 @dataclass(frozen=True, slots=True)
 class ServerTime:
     """Median server µs per cycle of each kind (by label): in the commands it sends
-    (``INFO commandstats``), and of the main thread's CPU, all of it (``INFO cpu``)."""
+    (``INFO commandstats``), and of the main thread's CPU, all of it (``INFO cpu``);
+    ``rounds``: the µs in the commands of each block, one per round of the kinds' turns,
+    in order (what :func:`in_round` compares)."""
 
     commands: dict[str, float]
     thread: dict[str, float]
+    rounds: dict[str, list[float]]
+
+
+def in_round(rounds: dict[str, list[float]], label: str, against: str) -> float:
+    """Median over the rounds of ``label``'s µs per cycle divided by ``against``'s in the
+    same round: a drift of the machine (a VM's neighbours, its clock's speed) falls on
+    both sides of each ratio, where it moves the two medians apart. NaN without rounds."""
+    pairs = zip(rounds.get(label, ()), rounds.get(against, ()), strict=False)
+    ratios = [mine / theirs for mine, theirs in pairs if theirs > 0]
+    return statistics.median(ratios) if ratios else math.nan
 
 
 async def _usec(client: Redis, commands: Sequence[str]) -> tuple[float, float]:
@@ -187,12 +204,22 @@ async def _usec(client: Redis, commands: Sequence[str]) -> tuple[float, float]:
     return float(spent), (float(user) + float(system)) * 1e6
 
 
+BLOCKS: Final = (80, 60)
+"""Blocks and cycles per block of a full measure: many short blocks, so that each round
+of turns is over before the machine drifts (the in-round ratios of 10 blocks of 500
+cycles moved from 2.4x to 3.3x for one code on one host; of 100 blocks of 50, from 2.85x
+to 3.01x: history.md)."""
+QUICK_BLOCKS: Final = (12, 50)
+"""The same for a quick look."""
+
+
 async def measure(
-    url: str, blocks: int = 10, per_block: int = 300, kinds: Sequence[Kind] = KINDS
+    url: str, blocks: int = BLOCKS[0], per_block: int = BLOCKS[1], kinds: Sequence[Kind] = KINDS
 ) -> ServerTime:
     """Median server µs per cycle of each kind, over ``blocks`` blocks of ``per_block``
-    cycles each, the kinds taking turns. Runs against the server at ``url``, which
-    nothing else should use meanwhile; its keys are left to expire."""
+    cycles each, the kinds taking turns (each round of turns a block of each kind). Runs
+    against the server at ``url``, which nothing else should use meanwhile; its keys
+    are left to expire."""
     client, probe = Redis.from_url(url), Redis.from_url(url)
     prefix = f"bench:{uuid.uuid4().hex[:6]}:"
     try:
@@ -213,7 +240,7 @@ async def measure(
     finally:
         await client.aclose()
         await probe.aclose()
-    return ServerTime(_medians(spent), _medians(thread))
+    return ServerTime(_medians(spent), _medians(thread), spent)
 
 
 def _medians(figures: dict[str, list[float]]) -> dict[str, float]:
@@ -353,13 +380,23 @@ def render(
     figures: dict[str, float],
     commands: dict[str, float] | None = None,
     thread: dict[str, float] | None = None,
+    rounds: dict[str, list[float]] | None = None,
 ) -> list[str]:
     """The table of ``figures`` (``ServerTime.commands``), each against the first kind,
     with the commands per cycle (from :func:`count_commands`) and the main thread's µs
-    (``ServerTime.thread``), if given (results of older runs have neither)."""
+    (``ServerTime.thread``), if given (results of older runs have neither). With
+    ``rounds`` (``ServerTime.rounds``) the ratios are medians of in-round ratios
+    (:func:`in_round`), else ratios of the medians (older results)."""
     labels = list(figures)
-    base, mutex = figures[labels[0]], figures.get("asynclock mutex")
-    thread_base = (thread or {}).get(labels[0])  # (None: no main thread column)
+    base = labels[0]
+    mutex = "asynclock mutex" if "asynclock mutex" in figures else None
+    thread_base = (thread or {}).get(base)  # (None: no main thread column)
+
+    def ratio(label: str, against: str) -> float:
+        if rounds:
+            return in_round(rounds, label, against)
+        return figures[label] / figures[against]
+
     lines = [
         "| cycle | server µs per cycle | ÷ the recipe | ÷ the mutex |"
         + (" commands per cycle |" if commands else "")
@@ -367,8 +404,8 @@ def render(
         "|---|---|---|---|" + ("---|" if commands else "") + ("---|---|" if thread_base else ""),
     ]
     for label, us in figures.items():
-        against = f"{us / mutex:.2f}x" if mutex else "-"
-        row = f"| {label} | {us:.1f} | {us / base:.2f}x | {against} |"
+        against = f"{ratio(label, mutex):.2f}x" if mutex else "-"
+        row = f"| {label} | {us:.1f} | {ratio(label, base):.2f}x | {against} |"
         if commands:
             row += f" {commands[label]:.0f} |" if label in commands else " - |"
         if thread and thread_base:
@@ -382,9 +419,10 @@ def server_section(
     figures: dict[str, float],
     commands: dict[str, float] | None = None,
     thread: dict[str, float] | None = None,
+    rounds: dict[str, list[float]] | None = None,
 ) -> list[str]:
-    """The section of a report on ``figures`` (and ``commands`` and ``thread``, see
-    :func:`render`): how they were measured, and the table."""
+    """The section of a report on ``figures`` (and ``commands``, ``thread`` and
+    ``rounds``, see :func:`render`): how they were measured, and the table."""
     return [
         "Server µs of Redis's main thread per uncontended acquire + release, from `INFO "
         "commandstats` (the commands each kind sends itself; a script's time includes the "
@@ -392,7 +430,9 @@ def server_section(
         "(`benchmarks/server.py`; `python -m benchmarks.server` alone). The recipes are "
         "the floor: `SET NX PX` + an `EVALSHA` owner-checked `DEL`, and a fenced lock "
         "with a wake-up check (`SET NX PX` + `INCR` + `PEXPIRE`; release `GET`, `DEL`, "
-        "`EXISTS`, `PUBLISH`). Read the ratios: the µs move with the machine. *Commands "
+        "`EXISTS`, `PUBLISH`). Read the ratios: the µs move with the machine. Each ratio "
+        "is the median of the ratios within each round of turns (many short blocks), so "
+        "that a drift of the machine falls on both of its sides. *Commands "
         "per cycle*: those the kind sends and those its scripts call (the scripts not "
         "counted); a command called from a script costs from about 0.4 µs (a read of an "
         "absent key) to 2 µs (a key made and removed), so the count is a guide, not the "
@@ -404,7 +444,7 @@ def server_section(
         "request in flight at a time: a server busy with many clients reads several per "
         "wake-up, and the commands' own µs weigh more there).",
         "",
-        *render(figures, commands, thread),
+        *render(figures, commands, thread, rounds),
         "",
     ]
 
@@ -429,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = asyncio.run(count_instructions(100 if args.quick else 300))
         print("\n".join(render_instructions(counts)))
         return 0
-    blocks, per_block = (4, 200) if args.quick else (10, 500)
+    blocks, per_block = QUICK_BLOCKS if args.quick else BLOCKS
     if args.url:
         figures = asyncio.run(measure(args.url, blocks, per_block))
         commands = asyncio.run(count_commands(args.url))
@@ -437,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         with RedisServer() as server:
             figures = asyncio.run(measure(server.url, blocks, per_block))
             commands = asyncio.run(count_commands(server.url))
-    print("\n".join(render(figures.commands, commands, figures.thread)))
+    print("\n".join(render(figures.commands, commands, figures.thread, figures.rounds)))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from asynclock.testing import available_engines
 from benchmarks.harness import main
-from benchmarks.server import KINDS, count_instructions
+from benchmarks.server import KINDS, count_instructions, in_round, render
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = [ROOT / "benchmarks" / f"results.{ext}" for ext in ("json", "md", "png")]
@@ -103,3 +104,16 @@ def test_instructions_are_counted_per_cycle_under_callgrind() -> None:
     assert 0 < in_recipe < all_recipe
     assert 0 < in_mutex < all_mutex
     assert in_mutex > 2 * in_recipe
+
+
+def test_server_ratios_are_medians_of_in_round_ratios() -> None:
+    """The server section's ratios compare the kinds within each round of their turns
+    (here 3.0x in every round, whatever the machine's speed in that round), not the
+    medians of each kind's blocks (given here as 6.0 against 1.0); results without
+    rounds (older runs) keep the medians' ratio."""
+    rounds = {"recipe": [1.0, 4.0, 1.0, 4.0, 2.0], "mutex": [3.0, 12.0, 3.0, 12.0, 6.0]}
+    assert in_round(rounds, "mutex", "recipe") == 3.0
+    medians = {"recipe": 1.0, "mutex": 6.0}
+    assert "| mutex | 6.0 | 3.00x |" in "\n".join(render(medians, rounds=rounds))
+    assert "| mutex | 6.0 | 6.00x |" in "\n".join(render(medians))
+    assert math.isnan(in_round({}, "mutex", "recipe"))
