@@ -119,6 +119,35 @@ async def test_a_result_stored_through_a_moment_cut_off_is_not_lost(
             await direct.aclose()
 
 
+async def test_a_store_that_gets_no_answer_ends_within_the_release_timeout(
+    private_server: RedisServer, prefix: str
+) -> None:
+    """Redis falls silent as the job returns (a proxy swallows every byte, a client
+    without a socket timeout): the store is tried until ``release_timeout`` (2 s) and
+    the read-back of its unknown outcome fits in what is left of it, at least a tenth:
+    ``LockLost`` about 2 s after the job returned, where store and read-back each took 2 s
+    before (4 s)."""
+    from asynclock.testing import FaultProxy, ProxyMode
+
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        silent = Redis.from_url(proxy.url)
+        returned = 0.0
+
+        async def job() -> str:
+            nonlocal returned
+            proxy.set_mode(ProxyMode.BLACKHOLE)
+            returned = time.monotonic()
+            return "done"
+
+        try:
+            with pytest.raises(asynclock.LockLost, match="whether the result was stored"):
+                await asynclock.once(silent, "silent", job, ttl=30, prefix=prefix)
+            assert 1.9 < time.monotonic() - returned < 3.0
+        finally:
+            proxy.set_mode(ProxyMode.PASS)
+            await silent.aclose()
+
+
 async def test_waiters_are_woken_when_the_result_is_stored(client: Redis, prefix: str) -> None:
     """A duplicate returns right after the result is stored, not at the lease's expiry."""
     job = Counter(delay=0.3)

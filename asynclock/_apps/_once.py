@@ -55,6 +55,9 @@ T = TypeVar("T")
 
 _RESULT_SUFFIX = ":result"
 _MAX_CAUSE = 500  # characters of a marker's cause kept (an error may quote a large object)
+_READ_BACK_LEAST = 0.1
+"""The least share of ``release_timeout`` the read-back of a result whose store got no
+answer is given, if the store used up the rest: one try at a server that answers again."""
 
 
 @runtime_checkable
@@ -229,15 +232,18 @@ async def _run_once(
         payload, field = cause, "e"
     else:
         field = "v"
+    # (the store and, if its outcome is unknown, its read-back end within one
+    # release_timeout, at least its tenth given to the read-back)
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + options.release_timeout
     stored = await tenure.give_back(
         ([options.key, job.result_key], [payload, result_ms, digest, field])
     )
     if stored is False:
         raise LockLost(key, LossReason.NOT_OWNER, "the result was not stored")
     if stored is None:  # (Redis did not answer: it may, or may not, have stored it)
-        stored_value = await _stored_result(
-            redis, key, job.result_key, codec, options.release_timeout
-        )
+        least = loop.time() + _READ_BACK_LEAST * options.release_timeout
+        stored_value = await _stored_result(redis, key, job.result_key, codec, max(ends, least))
         return stored_value  # type: ignore[no-any-return]
     if unstored is not None:
         raise ResultNotStored(key, cause) from unstored
@@ -245,12 +251,12 @@ async def _run_once(
 
 
 async def _stored_result(
-    redis: RedisApi, key: str, result_key: str, codec: Serializer, limit: float
+    redis: RedisApi, key: str, result_key: str, codec: Serializer, deadline: float
 ) -> Any:
     """What every caller of the job ``key`` is given, once the store's outcome is unknown:
     the result read back (or its marker's error) if it was stored; else ``LockLost``
     rather than a value nobody else will see (a later call may then run the job again,
-    once the lease's key has expired). ``limit``: seconds for the read-back.
+    once the lease's key has expired). ``deadline``: loop time the read-back ends by.
 
     Raises:
         ResultNotStored: the marker of a result that could not be stored was stored.
@@ -258,7 +264,7 @@ async def _stored_result(
             in time), or was not stored (``not_owner``).
     """
     try:
-        async with asyncio.timeout(limit):
+        async with asyncio.timeout_at(deadline):
             found, marker = await redis.hmget(result_key, ["v", "e"])
     except Exception as exc:  # (any failure leaves it unknown)
         raise LockLost(
