@@ -68,6 +68,43 @@ async def test_lost_acquire_reply_is_retried_as_success(private_server: RedisSer
             await observer.aclose()
 
 
+@pytest.mark.parametrize(
+    "kind", [{}, {"limit": 3}, {"shared": True}, {"fair": True}], ids=lambda k: str(k) or "mutex"
+)
+async def test_a_lost_attempt_arriving_after_the_lease_takes_nothing(
+    private_server: RedisServer, prefix: str, kind: dict[str, Any]
+):
+    """An acquire whose first attempt got no answer was granted by its resend: the first
+    may still reach Redis, held up on its way, after the lease has ended (here it is
+    replayed there). It takes nothing: the acquisition wrote the tombstone of its token
+    before handing the lease out, so the lock is free for the next caller rather than
+    taken by nobody until its TTL."""
+    from asynclock._base._options import LeaseOptions
+    from asynclock._lifecycle._context import _kind
+    from asynclock._session._connections import companion_for
+
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        options = LeaseOptions.cached(client, "late", {"ttl": 5, "prefix": prefix, **kind})
+        try:
+            await client.ping()  # connection set up: the next reply is the script's
+            proxy.reset_on_next_reply()
+            async with asynclock.lease(client, "late", ttl=5, prefix=prefix, **kind) as lock:
+                assert not proxy.reset_armed, "the first reply was not lost"
+                token = lock.token
+            script, keys, args = _kind(options, companion_for(client), None).attempt(token, None)
+            late = await script(observer, keys, args)  # (the first attempt, arriving late)
+            assert list(late) == [-1, 0]  # type: ignore[call-overload]
+            async with asynclock.lease(
+                client, "late", ttl=5, prefix=prefix, blocking=False, **kind
+            ):
+                pass  # (free: not taken by the late attempt)
+        finally:
+            await client.aclose()
+            await observer.aclose()
+
+
 # -- 2. fencing ---------------------------------------------------------------------------
 
 

@@ -17,7 +17,9 @@ undo is tried again while Redis does not answer, within ``release_timeout`` and 
 than ``TIMEOUT_GRACE`` past the deadline, if any (a place left in a fair queue would hold
 up every other client's waiters). An
 attempt answered so late that less than a third of the TTL is left is not handed out: it
-is sent again at once, which refreshes the hold in one round trip.
+is sent again at once, which refreshes the hold in one round trip. An acquisition granted
+after an attempt that got no answer writes the same tombstone before the lease is handed
+out (``_seal``): that attempt may still reach Redis after the lease has ended.
 
 How long an acquisition may take, one rule for every kind: ``blocking_timeout`` becomes a
 deadline (loop time) when the acquisition starts.
@@ -58,7 +60,7 @@ from .._base._exceptions import AcquireTimeout, LimitConflict, LockBusy
 from .._base._options import LeaseOptions
 from .._base._shield import finish
 from .._redis._lane import not_sent
-from .._redis._scripts import UNKNOWN_OUTCOME, Arg, Script, run_idempotent
+from .._redis._scripts import UNKNOWN_OUTCOME, Arg, Script, pack, run_idempotent
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
 from ._hold import Hold, of_lock
@@ -348,6 +350,9 @@ class _Acquisition:
     _token: str
     # an attempt of ours may have left a hold (or a place)
     _pending: bool = field(default=False, init=False)
+    # an attempt of ours got no answer: it may still reach Redis, even after the lease
+    # ends (held up on its way); sealed once the lock is ours (see _seal)
+    _unsure: bool = field(default=False, init=False)
     _refused: bool = field(default=False, init=False)  # the last reply was a Refused outcome
     _turn: Turn | None = field(default=None, init=False)  # how we wait, while we do
 
@@ -357,8 +362,12 @@ class _Acquisition:
         deadline = None if timeout is None else self._loop.time() + timeout
         try:
             if not options.blocking or options.blocking_timeout == 0:  # (one attempt)
-                return self._token, await self._once(deadline)
-            return self._token, await self._wait(deadline)
+                grant = await self._once(deadline)
+            else:
+                grant = await self._wait(deadline)
+            if self._unsure:
+                await self._seal()
+            return self._token, grant
         except BaseException as exc:
             turn = self._turn
             # (a refusal answered our last attempt: nothing of ours is in flight, and a
@@ -512,6 +521,7 @@ class _Acquisition:
                 if not_sent(exc) and not retried:
                     raise  # (never reached Redis: nothing to undo)
                 self._pending = True  # (it may have landed: run() undoes it)
+                self._unsure = self._unsure or not not_sent(exc)
                 if deadline is not None and self._loop.time() >= deadline:
                     raise timed_out(self._options, "Redis did not answer") from exc
                 if retried:
@@ -566,6 +576,33 @@ class _Acquisition:
         if deadline is None:
             return None
         return max(deadline - self._loop.time(), 0.0) + TIMEOUT_GRACE
+
+    async def _seal(self) -> None:
+        """Write the tombstone of our token before the lease is handed out, after an
+        attempt of ours got no answer: held up on its way, it may reach Redis after the
+        lease has ended and take the lock for nobody, until its TTL (a permit, a shared
+        hold or a fair place alike); the tombstone makes it take nothing, whenever it
+        comes. One try, within ``ROUND_TRIP_FLOOR``: if Redis does not answer, the lease
+        is handed out all the same (a warning says what may follow). A cancellation
+        meanwhile gives the lock back, as one during an attempt does (``run()``)."""
+        options = self._options
+        self._pending = True  # (the lock is ours and not yet handed out)
+        packed = pack(
+            ("SET", options.void_key(self._token), "1", "PX", options.tombstone_ms),
+            *self._companion.lane.encoding,
+        )
+        try:
+            reply = await finish(self._companion.lane.call(packed, None), ROUND_TRIP_FLOOR)
+            if isinstance(reply, BaseException):  # (an error reply: refused, out of memory)
+                raise reply
+        except (*UNKNOWN_OUTCOME, ResponseError) as exc:
+            log.warning(
+                "could not seal an acquire attempt of %r that got no answer (%r); if it "
+                "reaches Redis after the lease ends, the lock stays taken until its TTL",
+                options.name,
+                exc,
+            )
+        self._pending = False
 
     async def _undo(self, limit: float | None = None) -> None:
         """Undo whatever an attempt may have left, within ``limit`` seconds (at most
