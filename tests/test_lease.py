@@ -91,8 +91,8 @@ async def test_a_lost_attempt_arriving_after_the_lease_takes_nothing(
             await client.ping()  # connection set up: the next reply is the script's
             proxy.reset_on_next_reply()
             async with asynclock.lease(client, "late", ttl=5, prefix=prefix, **kind) as lock:
-                assert not proxy.reset_armed, "the first reply was not lost"
-                token = lock.token
+                token = lock.token  # (sealed: the first reply was lost, the resend granted)
+                assert await observer.get(options.void_key(token)) == b"1"
             script, keys, args = _kind(options, companion_for(client), None).attempt(token, None)
             late = await script(observer, keys, args)  # (the first attempt, arriving late)
             assert list(late) == [-1, 0]  # type: ignore[call-overload]
@@ -100,6 +100,76 @@ async def test_a_lost_attempt_arriving_after_the_lease_takes_nothing(
                 client, "late", ttl=5, prefix=prefix, blocking=False, **kind
             ):
                 pass  # (free: not taken by the late attempt)
+        finally:
+            await client.aclose()
+            await observer.aclose()
+
+
+async def test_a_lost_attempt_then_a_busy_lock_leaves_a_tombstone(
+    private_server: RedisServer, prefix: str
+):
+    """An attempt whose reply was lost, its resend answered that the lock is held
+    (``LockBusy``): the first attempt may still reach Redis after the holder releases;
+    the acquisition's undo tombstoned its token, so it then takes nothing."""
+    from asynclock._base._options import LeaseOptions
+    from asynclock._lifecycle._context import _kind
+    from asynclock._session._connections import companion_for
+
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        options = LeaseOptions.cached(client, "busy", {"ttl": 5, "prefix": prefix})
+        try:
+            holder = await asynclock.acquire(observer, "busy", ttl=5, prefix=prefix)
+            await client.ping()  # connection set up: the next reply is the script's
+            proxy.reset_on_next_reply()
+            with pytest.raises(asynclock.LockBusy):
+                await asynclock.acquire(client, "busy", ttl=5, prefix=prefix, blocking=False)
+            assert not proxy.reset_armed, "no reply was lost"
+            (void,) = await observer.keys(options.void_key("*"))
+            token = text(void).rsplit(":", 1)[1]
+            await holder.release()
+            script, keys, args = _kind(options, companion_for(client), None).attempt(token, None)
+            assert list(await script(observer, keys, args)) == [-1, 0]  # type: ignore[call-overload]
+            assert await observer.exists(options.key) == 0
+        finally:
+            await client.aclose()
+            await observer.aclose()
+
+
+async def test_a_permit_granted_then_cancelled_while_sealed_is_given_back(
+    private_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A permit granted after a lost reply, its acquisition cancelled while the token's
+    tombstone is written (which hides the slot the attempt took): the undo is told the
+    slot, and the permit is given back, not left to its TTL."""
+    import asynclock._kinds._engine as engine
+
+    sealed = asyncio.Event()
+    real = engine.run_idempotent
+
+    async def slow_seal(script: Any, *args: Any, **kwargs: Any) -> object:
+        reply = await real(script, *args, **kwargs)
+        if script is engine.SEAL:
+            sealed.set()
+            await asyncio.sleep(30)  # (cut short by the seal's bound)
+        return reply
+
+    monkeypatch.setattr(engine, "run_idempotent", slow_seal)
+    async with FaultProxy("127.0.0.1", private_server.port) as proxy:
+        client = Redis.from_url(proxy.url)
+        observer = Redis.from_url(private_server.url)
+        try:
+            await client.ping()
+            proxy.reset_on_next_reply()
+            taking = asyncio.create_task(
+                asynclock.acquire(client, "sem", limit=3, ttl=30, prefix=prefix)
+            )
+            await sealed.wait()
+            taking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await taking
+            assert await observer.keys(f"{prefix}{{sem}}:permit:*") == []
         finally:
             await client.aclose()
             await observer.aclose()

@@ -125,8 +125,9 @@ async def test_a_store_that_gets_no_answer_ends_within_the_release_timeout(
     """Redis falls silent as the job returns (a proxy swallows every byte, a client
     without a socket timeout): the store is tried until ``release_timeout`` (2 s) and
     the read-back of its unknown outcome fits in what is left of it, at least a tenth:
-    ``LockLost`` about 2 s after the job returned, where store and read-back each took 2 s
-    before (4 s)."""
+    ``LockLost`` about 2.2 s after the job returned (the bound leaves room for letting go
+    of idle side connections on a loaded machine), where store and read-back each took
+    2 s before (4 s)."""
     from asynclock.testing import FaultProxy, ProxyMode
 
     async with FaultProxy("127.0.0.1", private_server.port) as proxy:
@@ -142,7 +143,7 @@ async def test_a_store_that_gets_no_answer_ends_within_the_release_timeout(
         try:
             with pytest.raises(asynclock.LockLost, match="whether the result was stored"):
                 await asynclock.once(silent, "silent", job, ttl=30, prefix=prefix)
-            assert 1.9 < time.monotonic() - returned < 3.0
+            assert 1.9 < time.monotonic() - returned < 3.4  # (the read-back at least 0.2 s)
         finally:
             proxy.set_mode(ProxyMode.PASS)
             await silent.aclose()

@@ -17,9 +17,10 @@ undo is tried again while Redis does not answer, within ``release_timeout`` and 
 than ``TIMEOUT_GRACE`` past the deadline, if any (a place left in a fair queue would hold
 up every other client's waiters). An
 attempt answered so late that less than a third of the TTL is left is not handed out: it
-is sent again at once, which refreshes the hold in one round trip. An acquisition granted
-after an attempt that got no answer writes the same tombstone before the lease is handed
-out (``_seal``): that attempt may still reach Redis after the lease has ended.
+is sent again at once, which refreshes the hold in one round trip. An attempt that got no
+answer may still reach Redis after the acquisition is over: an acquisition that had one
+leaves the same tombstone whatever its end, by the undo if it fails, before the lease is
+handed out if it is granted (``_seal``).
 
 How long an acquisition may take, one rule for every kind: ``blocking_timeout`` becomes a
 deadline (loop time) when the acquisition starts.
@@ -60,7 +61,7 @@ from .._base._exceptions import AcquireTimeout, LimitConflict, LockBusy
 from .._base._options import LeaseOptions
 from .._base._shield import finish
 from .._redis._lane import not_sent
-from .._redis._scripts import UNKNOWN_OUTCOME, Arg, Script, pack, run_idempotent
+from .._redis._scripts import SEAL, UNKNOWN_OUTCOME, Arg, Script, run_idempotent
 from .._session._connections import Companion
 from .._session._wakeup import Waiter, WaitingRoom
 from ._hold import Hold, of_lock
@@ -310,9 +311,11 @@ class Kind:
         lock's, a permit's or a shared lease's own) and how it is renewed and released."""
         return of_lock(self._options)
 
-    def undo(self, token: str, origin: str) -> Request:
+    def undo(self, token: str, origin: str, slot: int = -1) -> Request:
         """The script that undoes whatever an attempt with ``token`` may have left (and
-        stops it from landing later); ``origin``: our client's id in release messages."""
+        stops it from landing later); ``origin``: our client's id in release messages;
+        ``slot``: the grant's (a permit's), when the lock was granted but not handed out
+        (see ``_Acquisition._seal``), else -1."""
         raise NotImplementedError
 
 
@@ -351,8 +354,9 @@ class _Acquisition:
     # an attempt of ours may have left a hold (or a place)
     _pending: bool = field(default=False, init=False)
     # an attempt of ours got no answer: it may still reach Redis, even after the lease
-    # ends (held up on its way); sealed once the lock is ours (see _seal)
+    # ends (held up on its way); sealed once the lock is ours (see _seal), undone if not
     _unsure: bool = field(default=False, init=False)
+    _slot: int = field(default=-1, init=False)  # a grant's slot while it is sealed
     _refused: bool = field(default=False, init=False)  # the last reply was a Refused outcome
     _turn: Turn | None = field(default=None, init=False)  # how we wait, while we do
 
@@ -366,15 +370,16 @@ class _Acquisition:
             else:
                 grant = await self._wait(deadline)
             if self._unsure:
-                await self._seal()
+                await self._seal(grant)
             return self._token, grant
         except BaseException as exc:
             turn = self._turn
             # (a refusal answered our last attempt: nothing of ours is in flight, and a
-            # grant to a withdrawn offer is given back by the room)
+            # grant to a withdrawn offer is given back by the room; an attempt that got
+            # no answer may be, whatever came after it)
             exposed = turn is not None and turn.exposed and not self._refused
             try:
-                if self._pending or exposed:
+                if self._pending or exposed or self._unsure:
                     await self._undo(self._undo_limit(exc, deadline))
             finally:
                 # (an offered token stays in use for as long as its lease: a grant
@@ -534,7 +539,10 @@ class _Acquisition:
                         "memory (maxmemory reached under noeviction); leases already held "
                         "keep renewing, new ones cannot be written"
                     )
-                raise  # the server refused the script: it wrote nothing
+                # the server refused the script: it wrote nothing of ours to undo (a key
+                # of another type at the lock's name is refused by SET ... GET, after the
+                # counter's write)
+                raise
             except BaseException:
                 self._pending = True
                 raise
@@ -577,24 +585,26 @@ class _Acquisition:
             return None
         return max(deadline - self._loop.time(), 0.0) + TIMEOUT_GRACE
 
-    async def _seal(self) -> None:
+    async def _seal(self, grant: Granted) -> None:
         """Write the tombstone of our token before the lease is handed out, after an
         attempt of ours got no answer: held up on its way, it may reach Redis after the
         lease has ended and take the lock for nobody, until its TTL (a permit, a shared
         hold or a fair place alike); the tombstone makes it take nothing, whenever it
-        comes. One try, within ``ROUND_TRIP_FLOOR``: if Redis does not answer, the lease
-        is handed out all the same (a warning says what may follow). A cancellation
-        meanwhile gives the lock back, as one during an attempt does (``run()``)."""
+        comes. Within ``ROUND_TRIP_FLOOR``, and only while the hold keeps a third of its
+        TTL (``_usable``): if Redis does not answer by then, the lease is handed out all
+        the same (a warning says what may follow). A cancellation meanwhile gives the
+        lock back, as one during an attempt does (``run()``, ``_slot``)."""
         options = self._options
-        self._pending = True  # (the lock is ours and not yet handed out)
-        packed = pack(
-            ("SET", options.void_key(self._token), "1", "PX", options.tombstone_ms),
-            *self._companion.lane.encoding,
-        )
+        self._pending, self._slot = True, grant.slot  # (ours, not yet handed out)
+        now = self._loop.time()
+        bound = min(ROUND_TRIP_FLOOR, options.safe_until(grant.t_send) - options.ttl / 3 - now)
+        keys, args = [options.void_key(self._token)], [options.tombstone_ms]
+        companion = self._companion
         try:
-            reply = await finish(self._companion.lane.call(packed, None), ROUND_TRIP_FLOOR)
-            if isinstance(reply, BaseException):  # (an error reply: refused, out of memory)
-                raise reply
+            if bound <= 0:
+                raise TimeoutError("no time left before the lease is handed out")
+            sealing = run_idempotent(SEAL, companion.lane, companion.overflow, keys, args)
+            await finish(sealing, bound)
         except (*UNKNOWN_OUTCOME, ResponseError) as exc:
             log.warning(
                 "could not seal an acquire attempt of %r that got no answer (%r); if it "
@@ -602,7 +612,7 @@ class _Acquisition:
                 options.name,
                 exc,
             )
-        self._pending = False
+        self._pending, self._slot = False, -1
 
     async def _undo(self, limit: float | None = None) -> None:
         """Undo whatever an attempt may have left, within ``limit`` seconds (at most
@@ -611,7 +621,7 @@ class _Acquisition:
         others of our client try."""
         options = self._options
         companion = self._companion
-        script, keys, args = self._kind.undo(self._token, companion.room.origin)
+        script, keys, args = self._kind.undo(self._token, companion.room.origin, self._slot)
         bound = options.release_timeout if limit is None else min(limit, options.release_timeout)
         try:
             lane, overflow = companion.lane, companion.overflow

@@ -68,7 +68,7 @@ class Fair(Kind):
             wait = min(wait, busy.pttl_ms / 1000 + random.uniform(0.001, 0.005))
         return wait
 
-    def undo(self, token: str, origin: str) -> Request:
+    def undo(self, token: str, origin: str, slot: int = -1) -> Request:
         """Leave the queue, and undo an attempt that may have taken the lock."""
         options = self._options
         keys = [options.key, options.void_key(token), options.queue_key, options.alive_key]

@@ -199,7 +199,7 @@ class Mutex(Kind):
         wait = until_expiry(self._options, busy.pttl_ms)
         return min(wait, register_ms(self._options.ttl_ms) / 2000)
 
-    def undo(self, token: str, origin: str) -> Request:
+    def undo(self, token: str, origin: str, slot: int = -1) -> Request:
         """ABANDON: delete the key if it holds ``token``, withdraw its offer, tombstone it."""
         keys, args = self._companion.abandon_call(
             self._options.key, token, self._options.tombstone_ms

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import cast
 
 from .._base._exceptions import LimitConflict
-from .._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE
+from .._redis._scripts import SEMAPHORE_ABANDON, SEMAPHORE_ACQUIRE, Arg
 from .._session._wakeup import WaitingRoom
 from ._engine import Busy, Granted, Kind, Line, Refused, Request, Turn, answer
 from ._hold import Hold, of_permit
@@ -70,9 +70,10 @@ class Permits(Kind):
     def holding(self, token: str, grant: Granted) -> Hold:
         return of_permit(self._options, grant.slot)
 
-    def undo(self, token: str, origin: str) -> Request:
+    def undo(self, token: str, origin: str, slot: int = -1) -> Request:
         options = self._options
         keys = [options.void_key(token), options.permits_key, options.base_key]
-        return Request(
-            SEMAPHORE_ABANDON, keys, [token, options.tombstone_ms, options.channel, origin]
-        )
+        args: list[Arg] = [token, options.tombstone_ms, options.channel, origin]
+        if slot >= 0:  # (granted, then sealed: the tombstone hides the attempt's slot)
+            args.append(slot)
+        return Request(SEMAPHORE_ABANDON, keys, args)

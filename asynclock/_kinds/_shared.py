@@ -48,7 +48,7 @@ class Shared(Kind):
     def holding(self, token: str, grant: Granted) -> Hold:
         return of_reader(self._options, token)  # (a member of the readers' set)
 
-    def undo(self, token: str, origin: str) -> Request:
+    def undo(self, token: str, origin: str, slot: int = -1) -> Request:
         options = self._options
         keys = [options.readers_key, options.base_key, options.void_key(token)]
         return Request(SHARED_ABANDON, keys, [token, options.channel, origin, options.tombstone_ms])

@@ -81,6 +81,7 @@ __all__ = [
     "RELEASE",
     "RENEW",
     "RENEW_HEAD",
+    "SEAL",
     "SEMAPHORE_ABANDON",
     "SEMAPHORE_ACQUIRE",
     "SET_IF_EQUAL_HEAD",
@@ -843,6 +844,14 @@ return deleted
 )
 
 
+# SEAL: the tombstone of an acquire attempt that got no answer, written once its
+# acquisition holds the lock, before the lease is handed out (see _engine._seal): the
+# attempt, should it reach Redis later, takes nothing. KEYS[1] the attempt's key (its
+# tombstone), ARGV[1] tombstone ttl (ms). (A script, not a SET: it goes the way every
+# acquire step goes, by the lane or asynclock's own pool when the caller's is full.)
+SEAL = Script("seal", "return redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])")
+
+
 # -- semaphores -------------------------------------------------------------------------
 # A permit of a semaphore of N is one of N permit keys, '<lock key>:permit:<i>' (value
 # '<token>:<fencing token>', PX = ttl), renewed, lost and released as a lease of its own.
@@ -950,15 +959,19 @@ return {0, ttl}
 # landed, and stop it from landing later. KEYS[1] the attempt's key (see
 # SEMAPHORE_ACQUIRE), KEYS[2] the permits' index, KEYS[3] the lock's key (the stem of the
 # permit keys); ARGV[1] token, ARGV[2] tombstone ttl (ms), ARGV[3] the release channel,
-# ARGV[4] the client's origin id. Returns how many permits it gave back (0 or 1).
+# ARGV[4] the client's origin id, ARGV[5] (optional) the slot of the permit the
+# acquisition was granted, for an undo after SEAL wrote the tombstone over the attempt's
+# 'p<slot>'. Returns how many permits it gave back (0 or 1).
 SEMAPHORE_ABANDON = Script(
     "semaphore_abandon",
     f"""local attempt = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
-if not attempt or attempt == '1' then
+local slot = ARGV[5]
+if attempt and attempt ~= '1' then
+  slot = string.sub(attempt, 2)
+elseif not slot then
   return 0
 end
-local slot = string.sub(attempt, 2)
 local key = KEYS[3] .. ':permit:' .. slot
 local current = redis.call('GET', key)
 if not {_held()} then
