@@ -119,8 +119,8 @@ async def test_a_lost_attempt_then_a_busy_lock_leaves_a_tombstone(
         client = Redis.from_url(proxy.url)
         observer = Redis.from_url(private_server.url)
         options = LeaseOptions.cached(client, "busy", {"ttl": 5, "prefix": prefix})
+        holder = await asynclock.acquire(observer, "busy", ttl=5, prefix=prefix)
         try:
-            holder = await asynclock.acquire(observer, "busy", ttl=5, prefix=prefix)
             await client.ping()  # connection set up: the next reply is the script's
             proxy.reset_on_next_reply()
             with pytest.raises(asynclock.LockBusy):
@@ -133,6 +133,7 @@ async def test_a_lost_attempt_then_a_busy_lock_leaves_a_tombstone(
             assert list(await script(observer, keys, args)) == [-1, 0]  # type: ignore[call-overload]
             assert await observer.exists(options.key) == 0
         finally:
+            await holder.release()
             await client.aclose()
             await observer.aclose()
 
@@ -165,7 +166,8 @@ async def test_a_permit_granted_then_cancelled_while_sealed_is_given_back(
             taking = asyncio.create_task(
                 asynclock.acquire(client, "sem", limit=3, ttl=30, prefix=prefix)
             )
-            await sealed.wait()
+            async with asyncio.timeout(10):
+                await sealed.wait()
             taking.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await taking
