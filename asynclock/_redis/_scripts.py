@@ -38,8 +38,8 @@ fencing token in a lease's value, a registration as waiting, a permit's expiry, 
 reader's way out) are Lua fragments written once and spliced into their sources. The
 scripts are kept to the commands an uncontended cycle needs (server µs per cycle:
 ``benchmarks/server.py``): a mutex cycle runs 7 commands in its 2 scripts (MGET, TIME,
-SET ... GET, SET; GET, DEL, PUBLISH), and an uncontended ACQUIRE returns before the
-code of its registration as waiting runs.
+SET ... GET of the counter, SET ... GET of the lease; GET, DEL, PUBLISH), and an
+uncontended ACQUIRE returns before the code of its registration as waiting runs.
 """
 
 from __future__ import annotations
@@ -380,8 +380,8 @@ def _held(token: str = "ARGV[1]") -> str:
 def _set_new(value: str, ttl: str) -> str:
     """Lua: the command that writes the lease's key KEYS[1], which the script found absent,
     with ``value`` for ``ttl`` ms. With ``GET``: the reply is then the absent key's nil,
-    where a plain ``SET``'s status reply is a table Lua makes and collects (about 1k
-    instructions of the server's, a tenth of a µs, per acquisition)."""
+    where a plain ``SET``'s status reply is a table Lua makes and collects (0.6k to 1k
+    instructions of the server's per acquisition)."""
     return f"redis.call('SET', KEYS[1], {value}, 'PX', {ttl}, 'GET')\n"
 
 
