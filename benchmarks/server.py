@@ -7,7 +7,8 @@ of that server. It is read from ``INFO commandstats`` (``usec`` per command), su
 the commands each kind sends itself (its scripts, whose time includes the commands they
 call; never those called inside a script, which ``commandstats`` counts as well): a
 snapshot before and after each block of cycles, the blocks of the kinds taking turns
-(in an order reversed every other block) so that drift of the machine falls on all.
+(in an order reversed every other block) so that drift of the machine falls on all; each
+ratio is the median of the ratios within each round of turns (``in_round``).
 
 Beside them, the same blocks read the main thread's CPU time (``INFO cpu``,
 ``used_cpu_user_main_thread`` + ``used_cpu_sys_main_thread``): everything the thread did
